@@ -7,5 +7,5 @@ from tests.support.tiny_llama import tiny_llama_dir
 
 @pytest.fixture(scope="session")
 def tiny_llama_path():
-    """A tiny random Llama (vocab ~512, hidden 64, 4 layers, GQA 4/2) with its tokenizer."""
+    """A tiny random Llama (vocab 512, hidden 128, 4 layers, GQA 4/2, head_dim 32) with its tokenizer."""
     return tiny_llama_dir()

@@ -7,6 +7,8 @@ give the same bytes. `tiny_llama_dir(...)` caches builds under $SPECPLUG_CACHE/t
 
 The weights are random but "peaky" (large lm_head init), so greedy decoding has
 clear top-1 margins and engines with different attention kernels agree on it.
+head_dim defaults to 32: vLLM's CPU attention supports head sizes 32, 64, 80, 96,
+112, 128, 160, 192, 224, 256 and 512 only.
 """
 
 from __future__ import annotations
@@ -64,11 +66,11 @@ def build_tiny_llama(
     out_dir: str | os.PathLike,
     *,
     vocab_size: int = 512,
-    hidden_size: int = 64,
+    hidden_size: int = 128,
     num_layers: int = 4,
     num_heads: int = 4,
     num_kv_heads: int = 2,
-    intermediate_size: int = 128,
+    intermediate_size: int = 256,
     max_position_embeddings: int = 2048,
     lm_head_std: float = 1.0,
     seed: int = 0,
