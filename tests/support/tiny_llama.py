@@ -101,7 +101,12 @@ def build_tiny_llama(
 
 def tiny_llama_dir(**kwargs) -> Path:
     """Cached build_tiny_llama: the same kwargs return the same folder, built once."""
-    key = hashlib.sha256(json.dumps(kwargs, sort_keys=True).encode()).hexdigest()[:12]
+    import inspect
+
+    params = inspect.signature(build_tiny_llama).bind("", **kwargs)
+    params.apply_defaults()
+    settings = {k: v for k, v in params.arguments.items() if k != "out_dir"}
+    key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:12]
     cache = Path(os.environ.get("SPECPLUG_CACHE", Path.home() / ".cache" / "specplug")) / "tiny"
     out = cache / f"llama-{key}"
     if not (out / ".complete").exists():
