@@ -1,0 +1,265 @@
+"""`specplug bench`: speed-up and acceptance of speculation against the same engine
+without it, every method measured side by side in one run.
+
+The engine-specific part is a runner (`specplug.vllm_eagle3.bench_runner`,
+`specplug.sglang_medusa.bench_runner`) that turns (method, prompts, batch size) into a
+`RunResult`; everything else — prompt sets, the loop over batch sizes, the markdown
+table, the JSON with every number and the PNG plot — lives here, once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import json
+import logging
+import os
+import platform
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Protocol, Sequence
+
+logger = logging.getLogger(__name__)
+
+ENGINES = {"vllm": ("vllm", "specplug.vllm_eagle3.bench_runner"),
+           "sglang": ("sglang", "specplug.sglang_medusa.bench_runner")}
+DEFAULT_BATCH_SIZES = (1, 4, 16, 64)
+
+
+@dataclass
+class RunResult:
+    """What one (method, batch size) run measured. Counters are deltas over the run."""
+
+    method: str
+    batch_size: int
+    num_prompts: int
+    output_tokens: int
+    seconds: float
+    num_drafts: int = 0               # verify steps that carried drafts
+    num_draft_tokens: int = 0
+    num_accepted: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)
+    draft_seconds: float | None = None
+    verify_seconds: float | None = None
+    outputs: list[list[int]] = field(default_factory=list, repr=False)
+
+    @property
+    def tok_per_s(self) -> float:
+        return self.output_tokens / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def tau(self) -> float | None:
+        """Mean tokens per verify step (accepted drafts + the bonus token)."""
+        return 1.0 + self.num_accepted / self.num_drafts if self.num_drafts else None
+
+    @property
+    def acceptance_by_pos(self) -> list[float]:
+        """Fraction of drafts whose position-i token was accepted."""
+        return [a / self.num_drafts for a in self.accepted_per_pos] if self.num_drafts else []
+
+
+class Runner(Protocol):
+    engine: str
+    version: str
+
+    def methods(self) -> list[str]: ...
+
+    def run(self, method: str, prompts: Sequence[str], batch_size: int) -> RunResult: ...
+
+    def close(self) -> None: ...
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--engine", choices=["auto", *ENGINES, "both"], default="auto",
+                        help="engine to drive; auto = the one installed in this Python")
+    parser.add_argument("--model", default=None,
+                        help="target model folder (default: the test bed's SmolLM2-135M-Instruct)")
+    parser.add_argument("--head", default=None,
+                        help="draft head folder (default: the committed test-bed head for the engine's method)")
+    parser.add_argument("--prompts", default="mtbench",
+                        help="prompt set: mtbench, humaneval or sharegpt; 'mtbench:coding' picks a category")
+    parser.add_argument("--num-prompts", type=int, default=8, help="prompts per batch-size run (at least the batch size is used)")
+    parser.add_argument("--max-new-tokens", type=int, default=128, help="tokens generated per prompt")
+    parser.add_argument("--batch-sizes", default=",".join(map(str, DEFAULT_BATCH_SIZES)),
+                        help="comma-separated batch sizes")
+    parser.add_argument("--methods", default=None,
+                        help="comma-separated methods (default: all the engine offers: none, built-ins, specplug)")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    parser.add_argument("--seed", type=int, default=0, help="sampling seed (per request: seed + index)")
+    parser.add_argument("--adaptive", action="store_true", help="turn on adaptive (batch-aware) speculation for specplug methods")
+    parser.add_argument("--out", default="bench-results", help="folder for the JSON and PNG")
+    parser.add_argument("--json", action="store_true", help="print the JSON instead of the markdown table")
+
+
+def run(args: argparse.Namespace) -> int:
+    engines = _engines(args.engine)
+    batch_sizes = [int(b) for b in args.batch_sizes.split(",") if b]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    report = {"meta": _meta(args, batch_sizes), "results": []}
+    for engine in engines:
+        runner = importlib.import_module(ENGINES[engine][1]).make_runner(args)
+        try:
+            report["meta"][f"{engine}_version"] = runner.version
+            prompts = load_prompts(args, runner)
+            methods = args.methods.split(",") if args.methods else runner.methods()
+            results = sweep(runner, methods, prompts, batch_sizes, args.num_prompts)
+            same = identical_to_none(results)
+            report["results"] += [{"engine": engine, **summarise(r), "identical_to_none": same[i]}
+                                  for i, r in enumerate(results)]
+        finally:
+            runner.close()
+    add_speedups(report["results"])
+    (out / "bench.json").write_text(json.dumps(report, indent=2))
+    plot(report, out / "bench.png")
+    print(json.dumps(report, indent=2) if args.json else markdown(report))
+    print(f"\nwrote {out / 'bench.json'} and {out / 'bench.png'}", file=sys.stderr)
+    return 0
+
+
+def _engines(choice: str) -> list[str]:
+    installed = [e for e, (mod, _) in ENGINES.items() if importlib.util.find_spec(mod) is not None]
+    wanted = list(ENGINES) if choice == "both" else installed[:1] if choice == "auto" else [choice]
+    missing = [e for e in wanted if e not in installed]
+    if not wanted or missing:
+        name = ", ".join(missing) or "vllm or sglang"
+        raise SystemExit(
+            f"specplug bench: {name} is not installed in this Python ({sys.executable}). "
+            f"Install it with pip install 'specplug[vllm]' / 'specplug[sglang]', or run the bench "
+            f"from the engine's environment: source scripts/envs.sh; $(ensure_env vllm)/bin/specplug bench")
+    return wanted
+
+
+def load_prompts(args: argparse.Namespace, runner) -> list[str]:
+    """Chat-formatted prompt texts of the chosen set (and category), enough for the largest batch."""
+    from specplug.common import data
+
+    name, _, category = args.prompts.partition(":")
+    need = max(args.num_prompts, *(int(b) for b in args.batch_sizes.split(",") if b))
+    chosen = data.prompts(name, runner.tokenizer, category=category or None)
+    if not chosen:
+        raise SystemExit(f"specplug bench: prompt set {args.prompts!r} is empty")
+    texts = [p.text for p in chosen]
+    return [texts[i % len(texts)] for i in range(need)]
+
+
+def sweep(runner, methods: Sequence[str], prompts: Sequence[str], batch_sizes: Sequence[int],
+          num_prompts: int) -> list[RunResult]:
+    """Every method at every batch size, in one process so the ratios share conditions.
+
+    Methods are outermost (one engine start each); the runner's `run_last` methods
+    (e.g. vLLM's ngram, whose numba import breaks later in-process engines) go last.
+    """
+    from tqdm import tqdm
+
+    last = set(getattr(runner, "run_last", ()))
+    ordered = [m for m in methods if m not in last] + [m for m in methods if m in last]
+    results = []
+    with tqdm(total=len(ordered) * len(batch_sizes), desc=f"bench {runner.engine}", unit="run") as bar:
+        for method in ordered:
+            for batch in batch_sizes:
+                bar.set_postfix_str(f"{method} bs{batch}")
+                chunk = list(prompts[:max(num_prompts, batch)])
+                results.append(runner.run(method, chunk, batch))
+                bar.update()
+    return results
+
+
+def summarise(r: RunResult) -> dict:
+    row = {k: v for k, v in asdict(r).items() if k != "outputs"}
+    row.update(tok_per_s=r.tok_per_s, tau=r.tau, acceptance_by_pos=r.acceptance_by_pos)
+    return row
+
+
+def identical_to_none(results: Sequence[RunResult]) -> list[float | None]:
+    """Per result, the fraction of its outputs token-identical to `none` at the same batch.
+
+    At temperature 0 speculation must give 1.0 (lossless); at T > 0 it is informative only.
+    """
+    base = {r.batch_size: r.outputs for r in results if r.method == "none"}
+    fractions = []
+    for r in results:
+        ref = base.get(r.batch_size)
+        if not ref or not r.outputs:
+            fractions.append(None)
+            continue
+        fractions.append(sum(a == b for a, b in zip(r.outputs, ref)) / len(ref))
+    return fractions
+
+
+def add_speedups(rows: list[dict]) -> None:
+    """speedup = tok/s over the same engine's `none` run at the same batch size."""
+    base = {(r["engine"], r["batch_size"]): r["tok_per_s"] for r in rows if r["method"] == "none"}
+    for r in rows:
+        ref = base.get((r["engine"], r["batch_size"]))
+        r["speedup"] = r["tok_per_s"] / ref if ref else None
+
+
+def _meta(args: argparse.Namespace, batch_sizes: list[int]) -> dict:
+    import torch
+
+    return {"machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.processor() or 'cpu'}",
+            "device": "cuda" if torch.cuda.is_available() else "cpu", "torch": torch.__version__,
+            "model": args.model or "test bed SmolLM2-135M-Instruct", "head": args.head,
+            "prompts": args.prompts, "num_prompts": args.num_prompts,
+            "max_new_tokens": args.max_new_tokens, "batch_sizes": batch_sizes,
+            "temperature": args.temperature, "seed": args.seed, "adaptive": args.adaptive}
+
+
+def _fmt(x, spec: str) -> str:
+    return "n/a" if x is None else format(x, spec)
+
+
+def markdown(report: dict) -> str:
+    m = report["meta"]
+    lines = [f"machine: {m['machine']} ({m['device']}); model: {m['model']}; prompts: {m['prompts']} "
+             f"x{m['num_prompts']}, {m['max_new_tokens']} new tokens; T={m['temperature']}; seed {m['seed']}",
+             "", "| engine | batch | method | tok/s | speed-up | tau | accepted by position | draft / verify time "
+             "| same as none |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in report["results"]:
+        pos = " ".join(f"{a:.2f}" for a in r["acceptance_by_pos"][:8]) or "-"
+        share = "-"
+        if r["draft_seconds"] is not None and r["verify_seconds"] is not None and r["seconds"]:
+            share = f"{r['draft_seconds'] / r['seconds']:.0%} / {r['verify_seconds'] / r['seconds']:.0%}"
+        lines.append(f"| {r['engine']} | {r['batch_size']} | {r['method']} | {r['tok_per_s']:.1f} | "
+                     f"{_fmt(r['speedup'], '.2f')}x | {_fmt(r['tau'], '.2f')} | {pos} | {share} | "
+                     f"{_fmt(r.get('identical_to_none'), '.0%')} |")
+    return "\n".join(lines)
+
+
+def plot(report: dict, path: Path) -> None:
+    """Speed-up vs batch size per method, and acceptance by draft position at the smallest batch."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = report["results"]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for key in sorted({(r["engine"], r["method"]) for r in rows}):
+        pts = sorted((r["batch_size"], r["speedup"]) for r in rows
+                     if (r["engine"], r["method"]) == key and r["speedup"] is not None)
+        if pts:
+            left.plot(*zip(*pts), marker="o", label=f"{key[0]} {key[1]}")
+    left.axhline(1.0, color="grey", lw=0.8, ls="--")
+    batches = sorted({r["batch_size"] for r in rows}) or [1]
+    left.set_xscale("log", base=2)
+    left.set_xticks(batches, [str(b) for b in batches])
+    left.minorticks_off()
+    left.set(xlabel="batch size", ylabel="speed-up vs no speculation", title="Speed-up by batch size")
+    left.legend(fontsize=8)
+    smallest = min((r["batch_size"] for r in rows), default=1)
+    for r in rows:
+        if r["batch_size"] == smallest and r["acceptance_by_pos"]:
+            acc = r["acceptance_by_pos"]
+            right.plot(range(1, len(acc) + 1), acc, marker="o", label=f"{r['engine']} {r['method']}")
+    right.xaxis.get_major_locator().set_params(integer=True)
+    right.set(xlabel="draft position", ylabel="fraction of steps accepted", ylim=(0, 1.05),
+              title=f"Acceptance by position (batch {smallest})")
+    if right.lines:
+        right.legend(fontsize=8)
+    fig.suptitle(f"{report['meta']['model']} — {report['meta']['machine']}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

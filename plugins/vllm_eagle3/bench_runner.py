@@ -1,0 +1,150 @@
+"""vLLM runner for `specplug bench`: one in-process engine per method, batches fed in
+groups of `batch_size` requests that all generate exactly `max_new_tokens` tokens.
+
+Methods: `none` (no speculation), `ngram` (vLLM's prompt lookup), `eagle3` (vLLM's
+built-in EAGLE-3 chain with the head's weights, the `specplug` config section
+stripped) and `specplug` (the same head with its `specplug` section: our proposer).
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+
+from specplug.bench import RunResult
+
+SPEC_METRICS = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens",
+                "vllm:spec_decode_num_accepted_tokens")
+PER_POS_METRIC = "vllm:spec_decode_num_accepted_tokens_per_pos"
+NGRAM_CONFIG = {"method": "ngram", "num_speculative_tokens": 4,
+                "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+
+
+def make_runner(args):
+    from specplug.common import testbed
+
+    model = args.model or str(testbed.target_dir())
+    head = args.head or default_head()
+    return VllmRunner(model, head, max_new_tokens=args.max_new_tokens,
+                      temperature=args.temperature, seed=args.seed,
+                      max_batch=max(int(b) for b in args.batch_sizes.split(",") if b))
+
+
+def default_head() -> str | None:
+    """The committed test-bed EAGLE-3 head, if this checkout has one."""
+    root = Path(__file__).resolve().parents[2] / "heads" / "smollm2-eagle3"
+    return str(root) if (root / "config.json").exists() else None
+
+
+def strip_specplug_section(head: str) -> str:
+    """A folder with the same weights and a config.json without the `specplug` section,
+    so vLLM's built-in EAGLE-3 path runs on exactly the same head."""
+    src = Path(head)
+    dst = Path(tempfile.mkdtemp(prefix="specplug-builtin-head-"))
+    for f in src.iterdir():
+        if f.name != "config.json":
+            (dst / f.name).symlink_to(f.resolve())
+    config = json.loads((src / "config.json").read_text())
+    config.pop("specplug", None)
+    (dst / "config.json").write_text(json.dumps(config, indent=2))
+    return str(dst)
+
+
+class VllmRunner:
+    engine = "vllm"
+    run_last = ("ngram",)
+
+    def __init__(self, model: str, head: str | None, *, max_new_tokens: int,
+                 temperature: float, seed: int, max_batch: int):
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        import vllm
+        from transformers import AutoTokenizer
+
+        self.version = vllm.__version__
+        self.model, self.head = model, head
+        self.max_new_tokens, self.temperature, self.seed = max_new_tokens, temperature, seed
+        self.max_batch = max_batch
+        self.tokenizer = AutoTokenizer.from_pretrained(model)
+        self._method, self._llm = None, None
+
+    def methods(self) -> list[str]:
+        return ["none", "ngram"] + (["eagle3", "specplug"] if self.head else [])
+
+    def speculative_config(self, method: str) -> dict | None:
+        if method == "none":
+            return None
+        if method == "ngram":
+            return dict(NGRAM_CONFIG)
+        if self.head is None:
+            raise SystemExit(f"specplug bench: method {method!r} needs --head (an EAGLE-3 head folder)")
+        head_config = json.loads((Path(self.head) / "config.json").read_text())
+        depth = int(head_config.get("specplug", {}).get("tree", {}).get("depth", 4))
+        if method == "eagle3":
+            return {"method": "eagle3", "model": strip_specplug_section(self.head),
+                    "num_speculative_tokens": depth}
+        if method == "specplug":
+            return {"method": "eagle3", "model": self.head, "num_speculative_tokens": depth}
+        raise SystemExit(f"specplug bench: unknown vLLM method {method!r}; choose from {self.methods()}")
+
+    def _engine(self, method: str):
+        if method != self._method:
+            self.close()
+            from vllm import LLM
+
+            self._llm = LLM(
+                model=self.model, dtype="float32", enforce_eager=True, seed=self.seed,
+                distributed_executor_backend="uni", disable_log_stats=False,
+                max_num_seqs=self.max_batch, max_model_len=2048,
+                speculative_config=self.speculative_config(method))
+            self._method = method
+            self._warm_up()
+        return self._llm
+
+    def _warm_up(self) -> None:
+        """One short request first, so JIT compilation (numba for ngram) isn't timed."""
+        from vllm import SamplingParams
+
+        self._llm.generate(["warm up"], SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
+
+    def run(self, method: str, prompts, batch_size: int) -> RunResult:
+        from vllm import SamplingParams
+
+        llm = self._engine(method)
+        params = [SamplingParams(max_tokens=self.max_new_tokens, ignore_eos=True,
+                                 temperature=self.temperature, seed=self.seed + i)
+                  for i in range(len(prompts))]
+        before = spec_counters(llm)
+        outputs, start = [], time.perf_counter()
+        for i in range(0, len(prompts), batch_size):
+            outs = llm.generate(list(prompts[i:i + batch_size]), params[i:i + batch_size], use_tqdm=False)
+            outputs += [list(o.outputs[0].token_ids) for o in outs]
+        seconds = time.perf_counter() - start
+        after = spec_counters(llm)
+        delta = {k: after[k] - before[k] for k in SPEC_METRICS}
+        per_pos = [a - b for a, b in zip(after[PER_POS_METRIC], before[PER_POS_METRIC] + [0] * 64)]
+        return RunResult(method=method, batch_size=batch_size, num_prompts=len(prompts),
+                         output_tokens=sum(map(len, outputs)), seconds=seconds,
+                         num_drafts=delta[SPEC_METRICS[0]], num_draft_tokens=delta[SPEC_METRICS[1]],
+                         num_accepted=delta[SPEC_METRICS[2]], accepted_per_pos=per_pos, outputs=outputs)
+
+    def close(self) -> None:
+        if self._llm is not None:
+            del self._llm
+            self._llm, self._method = None, None
+            gc.collect()
+
+
+def spec_counters(llm) -> dict:
+    """Current values of vLLM's cumulative speculative-decoding counters."""
+    out = {k: 0 for k in SPEC_METRICS}
+    out[PER_POS_METRIC] = []
+    for metric in llm.get_metrics():
+        if metric.name in SPEC_METRICS:
+            out[metric.name] = int(metric.value)
+        elif metric.name == PER_POS_METRIC:
+            out[PER_POS_METRIC] = [int(v) for v in metric.values]
+    return out

@@ -1,0 +1,33 @@
+"""`specplug bench` end to end on real vLLM (CPU) with the tiny Llama.
+
+Runs in a subprocess: the ngram method imports numba, which breaks later in-process
+vLLM engines (see DESIGN.md), so it must not share a process with other engine tests.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+
+def test_bench_none_vs_ngram_is_lossless_and_reports_acceptance(tiny_llama_path, tmp_path):
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", OMP_NUM_THREADS="1",
+               VLLM_CPU_KVCACHE_SPACE="1")
+    cmd = [sys.executable, "-m", "specplug.cli", "bench", "--engine", "vllm",
+           "--model", str(tiny_llama_path), "--methods", "none,ngram", "--batch-sizes", "1,2",
+           "--max-new-tokens", "24", "--num-prompts", "2", "--out", str(tmp_path), "--json"]
+    subprocess.run(cmd, env=env, check=True, capture_output=True, text=True, timeout=600)
+    report = json.loads((tmp_path / "bench.json").read_text())
+    rows = {(r["method"], r["batch_size"]): r for r in report["results"]}
+    assert set(rows) == {("none", 1), ("none", 2), ("ngram", 1), ("ngram", 2)}
+    for batch in (1, 2):
+        ngram = rows[("ngram", batch)]
+        assert ngram["identical_to_none"] == 1.0          # greedy: token-identical
+        assert ngram["num_drafts"] > 0 and ngram["tau"] >= 1.0
+        assert len(ngram["acceptance_by_pos"]) == 4
+        assert rows[("none", batch)]["speedup"] == 1.0
+    assert (tmp_path / "bench.png").stat().st_size > 0
