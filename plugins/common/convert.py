@@ -1,0 +1,83 @@
+"""`specplug convert`: convert a draft head between checkpoint formats of the same method.
+
+Thin command-line edge over specplug.common.formats (which owns the formats).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+from specplug.common.formats import FORMATS, convert
+
+EPILOG = """\
+formats (auto-detected on input; --to picks the output):
+  eagle3        EAGLE / SpecForge LlamaForCausalLMEagle3 (midlayer.*, fc, d2t/t2d);
+                loads in vLLM's and SGLang's built-in eagle3. Canonical EAGLE-3 form.
+  speculators   vllm speculators EAGLE-3 (speculators_model_type "eagle3", layers.0.*,
+                transformer_layer_config / speculators_config).
+  medusa        FasterDecoding Medusa (medusa_lm_head.safetensors or .pt,
+                medusa_num_heads / medusa_num_layers). Canonical Medusa form.
+  vllm-medusa   vLLM MedusaModel (blocks.{i}.layers.{j}, lm_heads.{i}, num_heads,
+                truncated_vocab_size, optional token_map).
+
+eagle3 <-> speculators and medusa <-> vllm-medusa convert bit-exactly (tensor bytes
+unchanged). What the destination cannot carry is printed as "dropped"; what had to be
+assumed as "note". Weights are read only with safetensors or
+torch.load(weights_only=True). See docs/formats.md.
+
+examples:
+  specplug convert ./eagle3-head ./head-speculators --to speculators --target ./target-model
+  specplug convert ./medusa-head ./head-vllm --to vllm-medusa --json
+"""
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Defaults in --help, and the epilog's table kept as written."""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.formatter_class = _HelpFormatter
+    parser.epilog = EPILOG
+    parser.add_argument("src", metavar="SRC", help="head checkpoint directory to read (format auto-detected)")
+    parser.add_argument("dst", metavar="DST", help="directory to write the converted head to")
+    parser.add_argument("--to", required=True, choices=FORMATS, metavar="FORMAT",
+                        help=f"output format, one of: {', '.join(FORMATS)}")
+    parser.add_argument("--target", metavar="MODEL_DIR", default=None,
+                        help="target model directory: validate the head against its config.json "
+                             "(hidden size, vocab, d2t range, aux layer ids) and record it as the "
+                             "speculators verifier")
+    parser.add_argument("--overwrite", action="store_true", help="replace a head already in DST")
+    parser.add_argument("--json", action="store_true", help="print a machine-readable JSON summary")
+
+
+def _print_summary(summary: dict) -> None:
+    print(f"converted {summary['method']} head: {summary['source']} ({summary['source_format']}) -> "
+          f"{summary['destination']} ({summary['format']}), {summary['tensors']} tensors, "
+          f"files {', '.join(summary['files'])}")
+    for line in summary["dropped"]:
+        print(f"dropped: {line}")
+    for line in summary["notes"]:
+        print(f"note: {line}")
+    if not summary["dropped"]:
+        print("dropped: nothing")
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO if not args.json else logging.ERROR,
+                        format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    try:
+        summary = convert(args.src, args.dst, args.to, target_config=args.target, overwrite=args.overwrite)
+    except ValueError as exc:  # CheckpointError (bad checkpoint) or a bad --to for this head
+        if args.json:
+            print(json.dumps({"error": str(exc), "field": getattr(exc, "field", None),
+                              "fix": getattr(exc, "fix", None)}))
+        print(f"specplug convert: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(summary, indent=2))
+    else:
+        _print_summary(summary)
+    return 0
