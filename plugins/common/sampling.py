@@ -1,0 +1,559 @@
+"""Verification samplers: which drafted tokens the target accepts, and the bonus token.
+
+One public entry point, :func:`verify`, batched over requests (see docs/core.md):
+
+* ``"greedy"``: the accepted path is the deepest root path whose every token is the
+  target's argmax (first maximal index) at its parent, ties to the lowest node id
+  (so of two equal-token siblings the one with the longer agreeing subtree wins);
+  bonus = argmax after the last accepted node.
+* ``"rejection"`` without ``draft_probs`` (deterministic drafting, the EAGLE / SGLang
+  "target-only" rule): at each node test its children in node-id order; accept child
+  x when ``u < p_res(x) / sum(p_res)``; on rejection set ``p_res(x) = 0``; if no child
+  is accepted the final token is drawn from ``p_res``. Lossless.
+* ``"rejection"`` with ``draft_probs`` (Leviathan / Chen for chains, SpecInfer
+  multi-draft for trees; children must be drawn i.i.d. from q): accept x when
+  ``u * q(x) < p_res(x)``; on rejection ``p_res = norm(max(0, p_res - q))``. Lossless.
+* ``"typical"``: Medusa-2 typical acceptance, LOSSY: accept x when
+  ``p(x) > min(epsilon, delta * exp(-H(p)))``; keep the deepest accepted path.
+
+Randomness is fully defined by ``uniforms`` [B, N+1] so that a CUDA kernel can
+reproduce the torch path: ``uniforms[:, j]`` (j >= 1) is node j's acceptance draw,
+``uniforms[:, 0]`` the draw for the final (bonus or recovered) token (column N is
+spare: the contract reserves N+1 columns), sampled by
+inverse CDF in vocabulary order: the first v with ``cumsum(p_final)[v] > u * total``,
+``total`` = the last cumsum entry.
+
+Additions beside the shared contract (all additive): ``verify(..., validate=True)``
+(False skips the value checks on probabilities: one reduction pass and a host sync),
+:func:`draw_uniforms`, :func:`sample_inverse_cdf`, :meth:`VerifyResult.output_tokens`,
+:func:`sampling_tensors`. On CUDA tensors ``verify`` first offers the call to
+``specplug.common.cuda.try_verify`` (greedy and rejection only) after the uniforms are
+drawn; ``num_nodes`` is always passed as a Long tensor [B].
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+from specplug.common.tree import check_parents, path_reduce, tree_depths
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "METHODS",
+    "TYPICAL_EPSILON",
+    "TYPICAL_DELTA",
+    "SamplingConfig",
+    "VerifyResult",
+    "verify",
+    "process_logits",
+    "sampling_tensors",
+    "draw_uniforms",
+    "sample_inverse_cdf",
+]
+
+METHODS = ("greedy", "rejection", "typical")
+# Medusa-2 typical acceptance defaults (epsilon = hard threshold, delta = entropy factor);
+# defined once here, the Medusa repo swaps them between two files.
+TYPICAL_EPSILON = 0.09
+TYPICAL_DELTA = 0.3
+# How far a row of probabilities may sum from 1 before verify rejects it.
+SUM_TOLERANCE = {torch.float16: 2e-2, torch.bfloat16: 2e-2}
+DEFAULT_SUM_TOLERANCE = 1e-3
+
+
+# --------------------------------------------------------------------------- settings and logits
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """A request's sampling settings; the project's one set of defaults.
+
+    temperature: 0 means greedy. top_k: 0 or -1 = off. top_p: 1.0 = off.
+    seed: per-request seed for a reproducible ``torch.Generator`` (None = global RNG).
+    """
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if not (self.temperature >= 0.0 and self.temperature != float("inf")):
+            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}")
+        if not isinstance(self.top_k, int) or self.top_k < -1:
+            raise ValueError(f"top_k must be an int >= -1 (0 or -1 = off), got {self.top_k!r}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top_p must lie in (0, 1] (1 = off), got {self.top_p!r}")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def method(self) -> str:
+        """The lossless verify method for this request alone."""
+        return "greedy" if self.is_greedy else "rejection"
+
+    def generator(self, device: str | torch.device = "cpu") -> torch.Generator | None:
+        if self.seed is None:
+            return None
+        return torch.Generator(device=device).manual_seed(self.seed)
+
+
+def sampling_tensors(configs: Sequence[SamplingConfig], device=None):
+    """Per-request settings as tensors for :func:`process_logits`:
+    (temperature Float [B], top_k Long [B], top_p Float [B])."""
+    t = torch.tensor([c.temperature for c in configs], dtype=torch.float32, device=device)
+    k = torch.tensor([c.top_k for c in configs], dtype=torch.long, device=device)
+    p = torch.tensor([c.top_p for c in configs], dtype=torch.float32, device=device)
+    return t, k, p
+
+
+def _per_row(value, like: torch.Tensor, dtype) -> torch.Tensor:
+    """Scalar or [R] tensor -> [R, 1, ..., 1] broadcastable against ``like`` [R, ..., V]."""
+    t = torch.as_tensor(value, dtype=dtype, device=like.device)
+    if t.dim() == 0:
+        t = t.expand(like.shape[0])
+    if t.shape != like.shape[:1]:
+        raise ValueError(
+            f"per-request sampling setting must be a scalar or shape [{like.shape[0]}], got "
+            f"{tuple(t.shape)}: for flattened logits repeat it with repeat_interleave(num_nodes)"
+        )
+    return t.view(-1, *([1] * (like.dim() - 1)))
+
+
+def process_logits(logits: torch.Tensor, temperature=1.0, top_k=0, top_p=1.0) -> torch.Tensor:
+    """Target logits [R, ..., V] -> probabilities p (float32), the ONE place this happens.
+
+    temperature/top_k/top_p: scalars or per-request tensors [R]. Rows with
+    temperature 0 get a one-hot p at the argmax, so greedy and sampled requests share
+    one "rejection" batch and the greedy rows behave exactly like greedy verify.
+    top-k keeps the k largest logits (ties by sort order); top-p then keeps the
+    smallest prefix of the sorted distribution whose mass reaches top_p.
+    """
+    temp = _per_row(temperature, logits, torch.float32)
+    k = _per_row(top_k, logits, torch.long)
+    top_p = _per_row(top_p, logits, torch.float32)
+    if bool((temp < 0).any()) or bool((top_p <= 0).any()) or bool((top_p > 1).any()):
+        raise ValueError("temperature must be >= 0 and top_p in (0, 1]: check the request's sampling settings")
+    vocab = logits.shape[-1]
+    x = logits.float() / torch.where(temp > 0, temp, torch.ones_like(temp))
+    use_k = (k > 0) & (k < vocab)
+    use_p = top_p < 1.0
+    if bool(use_k.any()) or bool(use_p.any()):
+        x = _filter_top_k_top_p(x, torch.where(use_k, k, vocab), torch.where(use_p, top_p, 2.0))
+    probs = torch.softmax(x, dim=-1)
+    greedy = temp == 0
+    if bool(greedy.any()):
+        onehot = torch.zeros_like(probs).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+        probs = torch.where(greedy, onehot, probs)
+    return probs
+
+
+def _filter_top_k_top_p(x: torch.Tensor, k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Set logits outside top-k / top-p to -inf (k = V and top_p = 2 mean off)."""
+    sorted_x, order = x.sort(dim=-1, descending=True)  # [..., V]
+    pos = torch.arange(x.shape[-1], device=x.device)
+    sorted_x = sorted_x.masked_fill(pos >= k, float("-inf"))
+    p_sorted = torch.softmax(sorted_x, dim=-1)
+    mass_before = p_sorted.cumsum(-1) - p_sorted
+    drop = (mass_before >= top_p) & (pos > 0)
+    sorted_x = sorted_x.masked_fill(drop, float("-inf"))
+    return torch.empty_like(x).scatter_(-1, order, sorted_x)
+
+
+# --------------------------------------------------------------------------- result and randomness
+
+
+class VerifyResult(NamedTuple):
+    """accepted_nodes Long [B, D+1] (root->last accepted, -1 padded; D = the batch's
+    max tree depth), num_accepted Long [B] (draft tokens accepted, root excluded),
+    bonus_token Long [B] (the target's token after the last accepted node)."""
+
+    accepted_nodes: torch.Tensor
+    num_accepted: torch.Tensor
+    bonus_token: torch.Tensor
+
+    def output_tokens(self, candidates: torch.Tensor) -> torch.Tensor:
+        """Emitted tokens, Long [B, D+1]: accepted draft tokens then the bonus, -1 padded
+        (the chain-shaped layout vLLM's sampler output uses)."""
+        nodes = self.accepted_nodes[:, 1:]  # [B, D]
+        toks = torch.where(nodes >= 0, candidates.gather(1, nodes.clamp(min=0)), -1)
+        out = torch.cat([toks, torch.full_like(toks[:, :1], -1)], 1)
+        return out.scatter_(1, self.num_accepted.unsqueeze(1), self.bonus_token.unsqueeze(1))
+
+
+def draw_uniforms(batch: int, nodes: int, generators=None, device=None) -> torch.Tensor:
+    """Uniforms Float [batch, nodes + 1] in [0, 1), the randomness of one verify call.
+
+    With ``generators`` (one ``torch.Generator`` or None per request) row b is
+    ``torch.rand(nodes + 1, generator=generators[b])``, so a fixed seed reproduces a
+    request regardless of its batch mates. Without, one ``torch.rand(batch, nodes + 1)``.
+    """
+    if generators is None:
+        return torch.rand(batch, nodes + 1, device=device)
+    if len(generators) != batch:
+        raise ValueError(f"generators must have one entry per request ({batch}), got {len(generators)}")
+    rows = [
+        torch.rand(nodes + 1, generator=g, device=g.device if g is not None else device)
+        for g in generators
+    ]
+    return torch.stack([r.to(device) for r in rows]) if rows else torch.zeros(0, nodes + 1, device=device)
+
+
+def sample_inverse_cdf(dist: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """dist Float [B, V] (non-negative, unnormalised ok), u [B] -> Long [B]: the first v
+    with ``cumsum(dist)[v] > u * cumsum(dist)[-1]``."""
+    cdf = dist.float().cumsum(-1)  # [B, V]
+    target = u.float().unsqueeze(-1) * cdf[:, -1:]
+    idx = torch.searchsorted(cdf, target, right=True).squeeze(-1)
+    return idx.clamp(max=dist.shape[-1] - 1)
+
+
+# --------------------------------------------------------------------------- input handling
+
+
+class _Tree(NamedTuple):
+    candidates: torch.Tensor  # [B, N]
+    parents: torch.Tensor  # [B, N], padding -1
+    num_nodes: torch.Tensor  # [B]
+    real: torch.Tensor  # Bool [B, N]
+    depth: torch.Tensor  # [B, N]
+    max_depth: int
+
+
+class _NodeRows:
+    """Uniform access to per-node rows of [B, N, V] or flattened [sum(num_nodes), V]."""
+
+    def __init__(self, x: torch.Tensor, tree: _Tree):
+        self.x = x
+        self.flat = x.dim() == 2
+        bsz, n = tree.parents.shape
+        self.batch = torch.arange(bsz, device=x.device)
+        if self.flat:
+            offsets = tree.num_nodes.cumsum(0) - tree.num_nodes  # [B]
+            ids = torch.arange(n, device=x.device)
+            self.row = offsets.unsqueeze(1) + torch.minimum(ids, tree.num_nodes.unsqueeze(1) - 1)  # [B, N]
+
+    def per_node(self, fn):
+        """fn reduces the vocab dim; result(s) laid out [B, N]."""
+        if not self.flat:
+            return fn(self.x)
+        out = fn(self.x)
+        return tuple(o[self.row] for o in out) if isinstance(out, tuple) else out[self.row]
+
+    def rows(self, nodes: torch.Tensor) -> torch.Tensor:
+        """nodes Long [B] -> Float [B, V] (float32)."""
+        if self.flat:
+            return self.x[self.row.gather(1, nodes.unsqueeze(1)).squeeze(1)].float()
+        return self.x[self.batch, nodes].float()
+
+    def values(self, nodes: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """nodes, tokens Long [B, K] -> Float [B, K]: p at (node, token)."""
+        if self.flat:
+            return self.x[self.row.gather(1, nodes), tokens].float()
+        return self.x[self.batch.unsqueeze(1), nodes, tokens].float()
+
+
+def _check_tree(candidates, parents, num_nodes) -> _Tree:
+    for name, t in (("candidates", candidates), ("parents", parents)):
+        if not isinstance(t, torch.Tensor) or t.dtype not in (torch.int64, torch.int32):
+            raise TypeError(f"{name} must be a Long tensor [B, N], got {type(t).__name__} {getattr(t, 'dtype', '')}")
+    if candidates.dim() != 2 or candidates.shape != parents.shape or candidates.numel() == 0:
+        raise ValueError(
+            f"candidates and parents must both be [B, N] with B, N >= 1, got {tuple(candidates.shape)} "
+            f"and {tuple(parents.shape)}: stack trees with specplug.common.tree.stack_trees"
+        )
+    bsz, n = parents.shape
+    parents = parents.long()
+    if num_nodes is None:
+        num_nodes = torch.full((bsz,), n, dtype=torch.long, device=parents.device)
+    num_nodes = torch.as_tensor(num_nodes, device=parents.device).long()
+    if num_nodes.shape != (bsz,) or bool(((num_nodes < 1) | (num_nodes > n)).any()):
+        raise ValueError(f"num_nodes must be Long [B={bsz}] with 1 <= num_nodes <= N={n}, got {num_nodes.tolist()[:8]}")
+    check_parents(parents, num_nodes)
+    real = torch.arange(n, device=parents.device) < num_nodes.unsqueeze(1)
+    parents = torch.where(real, parents, -1)
+    depth = tree_depths(parents)
+    return _Tree(candidates.long(), parents, num_nodes, real, depth, int(depth.max()))
+
+
+def _check_probs(name: str, x: torch.Tensor | None, tree: _Tree, vocab: int | None = None) -> None:
+    if x is None:
+        return
+    bsz, n = tree.parents.shape
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+        raise TypeError(f"{name} must be a floating-point tensor, got {type(x).__name__} {getattr(x, 'dtype', '')}")
+    if x.dim() == 3 and x.shape[:2] == (bsz, n):
+        pass
+    elif x.dim() == 2 and x.shape[0] == int(tree.num_nodes.sum()):
+        pass
+    else:
+        raise ValueError(
+            f"{name} must be [B={bsz}, N={n}, V] or flattened [sum(num_nodes)={int(tree.num_nodes.sum())}, V], "
+            f"got {tuple(x.shape)}: one row per tree node (pass num_nodes for the flattened layout)"
+        )
+    if vocab is not None and x.shape[-1] != vocab:
+        raise ValueError(f"{name} has vocab {x.shape[-1]} but target_probs has {vocab}: use the same vocabulary")
+
+
+def _check_uniforms(uniforms: torch.Tensor, tree: _Tree) -> torch.Tensor:
+    bsz, n = tree.parents.shape
+    if uniforms.shape != (bsz, n + 1):
+        raise ValueError(f"uniforms must be [B={bsz}, N+1={n + 1}], got {tuple(uniforms.shape)}")
+    if bool(((uniforms < 0) | (uniforms >= 1) | uniforms.isnan()).any()):
+        raise ValueError("uniforms must lie in [0, 1): draw them with torch.rand or draw_uniforms")
+    return uniforms
+
+
+def _check_sums(name: str, sums: torch.Tensor, rows: torch.Tensor, dtype) -> None:
+    """sums Float [B, N] of rows that must be distributions (``rows`` Bool [B, N])."""
+    tol = SUM_TOLERANCE.get(dtype, DEFAULT_SUM_TOLERANCE)
+    bad = rows & ~((sums - 1.0).abs() <= tol)  # NaN / inf fail this test too
+    if bool(bad.any()):
+        b, j = bad.nonzero()[0].tolist()
+        raise ValueError(
+            f"{name} row of request {b}, node {j} sums to {sums[b, j].item():.6g} (NaN/inf or off 1 by more "
+            f"than {tol}): pass probabilities from process_logits (for greedy, pass method='greedy')"
+        )
+
+
+# --------------------------------------------------------------------------- shared tree logic
+
+
+def _earlier_siblings(tree: _Tree) -> torch.Tensor:
+    """Bool [B, N, N]: [b, j, k] iff k < j are real siblings (same parent), j >= 1."""
+    p = tree.parents
+    n = p.shape[1]
+    same = (p.unsqueeze(2) == p.unsqueeze(1)) & (p.unsqueeze(2) >= 0)
+    earlier = torch.ones(n, n, dtype=torch.bool, device=p.device).tril(-1)
+    return same & earlier
+
+
+def _duplicates(tree: _Tree, sib: torch.Tensor) -> torch.Tensor:
+    """Bool [B, N]: node j repeats the token of an earlier sibling."""
+    c = tree.candidates
+    return (sib & (c.unsqueeze(2) == c.unsqueeze(1))).any(-1)
+
+
+def _first_accepted(accept: torch.Tensor, sib: torch.Tensor) -> torch.Tensor:
+    """Bool [B, N]: accepted and no earlier sibling accepted (children tested in id order)."""
+    return accept & ~(sib & accept.unsqueeze(1)).any(-1)
+
+
+def _deepest_path_end(chosen: torch.Tensor, tree: _Tree) -> torch.Tensor:
+    """Last node [B] of the deepest root path whose every node is ``chosen``
+    (ties: lowest node id)."""
+    is_root = torch.zeros_like(chosen)
+    is_root[:, 0] = True
+    ok = path_reduce(chosen | is_root, tree.parents, torch.logical_and) & (tree.real | is_root)
+    return torch.where(ok, tree.depth, -1).argmax(1)
+
+
+def _parent_values(p: _NodeRows, tree: _Tree) -> torch.Tensor:
+    """Float [B, N]: p at (parent of j, token of j); 0 at the root and padding."""
+    vals = p.values(tree.parents.clamp(min=0), tree.candidates.clamp(min=0))
+    return torch.where(tree.real & (tree.parents >= 0), vals, 0.0)
+
+
+def _result(final: torch.Tensor, bonus: torch.Tensor, tree: _Tree) -> VerifyResult:
+    bsz = final.shape[0]
+    width = tree.max_depth + 1
+    out = torch.full((bsz, width + 1), -1, dtype=torch.long, device=final.device)  # last column: scratch
+    cur = final.clone()
+    for _ in range(width):
+        valid = cur >= 0
+        col = torch.where(valid, tree.depth.gather(1, cur.clamp(min=0).unsqueeze(1)).squeeze(1), width)
+        out.scatter_(1, col.unsqueeze(1), cur.unsqueeze(1))
+        cur = torch.where(valid, tree.parents.gather(1, cur.clamp(min=0).unsqueeze(1)).squeeze(1), cur)
+    num_accepted = tree.depth.gather(1, final.unsqueeze(1)).squeeze(1)
+    return VerifyResult(out[:, :width], num_accepted, bonus)
+
+
+# --------------------------------------------------------------------------- the methods
+
+
+def _verify_greedy(p: _NodeRows, tree: _Tree, argmax: torch.Tensor):
+    """argmax Long [B, N]: target's argmax after each node. The accepted path is the
+    deepest one agreeing with the argmax everywhere (ties: lowest node id)."""
+    want = argmax.gather(1, tree.parents.clamp(min=0))  # [B, N] argmax at each node's parent
+    accept = tree.real & (tree.parents >= 0) & (tree.candidates == want)
+    final = _deepest_path_end(accept, tree)
+    return final, argmax.gather(1, final.unsqueeze(1)).squeeze(1)
+
+
+def _target_only_accept(p: _NodeRows, tree: _Tree, p_sum: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Bool [B, N]: node j would be accepted when its earlier siblings were all rejected.
+
+    p_res(x_j) = p[parent, x_j] (0 if an earlier sibling had the same token);
+    sum(p_res) = rowsum(p[parent]) - sum of p over earlier distinct siblings.
+    """
+    sib = _earlier_siblings(tree)
+    p_x = torch.where(_duplicates(tree, sib), 0.0, _parent_values(p, tree))  # [B, N]
+    rejected_mass = (sib * p_x.unsqueeze(1)).sum(-1)  # [B, N]
+    res_sum = p_sum.gather(1, tree.parents.clamp(min=0)) - rejected_mass
+    ratio = torch.where(p_x > 0, p_x / torch.maximum(res_sum, p_x), 0.0)
+    return _first_accepted(uniforms[:, : ratio.shape[1]] < ratio, sib)  # node j <-> column j
+
+
+def _target_only_final(p: _NodeRows, tree: _Tree, final: torch.Tensor) -> torch.Tensor:
+    """Float [B, V]: p after ``final`` with the tokens of all its children zeroed
+    (they were all rejected); a leaf keeps its full row (the bonus distribution)."""
+    row = p.rows(final)  # [B, V]
+    vocab = row.shape[1]
+    child = tree.real & (tree.parents == final.unsqueeze(1))  # [B, N]
+    idx = torch.where(child, tree.candidates, vocab)
+    zero = torch.zeros(row.shape[0], vocab + 1, dtype=torch.bool, device=row.device)
+    residual = row.masked_fill(zero.scatter_(1, idx, True)[:, :vocab], 0.0)
+    return torch.where(residual.sum(-1, keepdim=True) > 0, residual, row)  # rounding guard
+
+
+def _verify_target_only(p: _NodeRows, tree: _Tree, p_sum: torch.Tensor, uniforms: torch.Tensor):
+    final = _deepest_path_end(_target_only_accept(p, tree, p_sum, uniforms), tree)
+    return final, sample_inverse_cdf(_target_only_final(p, tree, final), uniforms[:, 0])
+
+
+def _specinfer_residual(p_res: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """norm(max(0, p_res - q)) per row [B, V]; keeps p_res where that is all zero (rounding)."""
+    res = (p_res - q).clamp(min=0)
+    total = res.sum(-1, keepdim=True)
+    return torch.where(total > 0, res / total.clamp(min=1e-30), p_res)
+
+
+def _children_table(tree: _Tree) -> torch.Tensor:
+    """Long [B, N, C]: children of each node in id order, -1 padded (C = max fan-out)."""
+    sib = _earlier_siblings(tree)
+    rank = sib.sum(-1)  # [B, N]
+    child = tree.real & (tree.parents >= 0)
+    fan_out = int(rank[child].max()) + 1 if bool(child.any()) else 1
+    bsz, n = tree.parents.shape
+    table = torch.full((bsz, n + 1, fan_out), -1, dtype=torch.long, device=rank.device)
+    slot = torch.where(child, tree.parents, n)  # non-children go to scratch row n
+    ids = torch.arange(n, device=rank.device).expand(bsz, n)
+    table[torch.arange(bsz, device=rank.device).unsqueeze(1), slot, rank.clamp(max=fan_out - 1)] = ids
+    return table[:, :n]
+
+
+def _verify_draft_probs(p: _NodeRows, q: _NodeRows, tree: _Tree, p_sum: torch.Tensor, uniforms: torch.Tensor):
+    """SpecInfer multi-draft rejection (Leviathan for chains), walking one level at a time."""
+    table = _children_table(tree)  # [B, N, C]
+    bsz = table.shape[0]
+    batch = torch.arange(bsz, device=table.device)
+    cur = torch.zeros(bsz, dtype=torch.long, device=table.device)
+    active = torch.ones(bsz, dtype=torch.bool, device=table.device)
+    p_res = p.rows(cur) / p_sum[batch, cur].unsqueeze(1)  # [B, V]
+    for _ in range(tree.max_depth):
+        kids = table[batch, cur]  # [B, C]
+        q_c = q.rows(cur)  # [B, V]
+        moved = torch.zeros_like(active)
+        nxt = cur.clone()
+        for s in range(kids.shape[1]):
+            j = kids[:, s]
+            testing = active & ~moved & (j >= 0)
+            x = tree.candidates[batch, j.clamp(min=0)]
+            u = uniforms[batch, j.clamp(min=0)]
+            accept = testing & (u * q_c[batch, x] < p_res[batch, x])
+            nxt = torch.where(accept, j, nxt)
+            moved |= accept
+            rejected = (testing & ~accept).unsqueeze(1)
+            p_res = torch.where(rejected, _specinfer_residual(p_res, q_c), p_res)
+        active, cur = moved, nxt
+        p_res = torch.where(moved.unsqueeze(1), p.rows(cur) / p_sum[batch, cur].unsqueeze(1), p_res)
+        if not bool(active.any()):
+            break
+    return cur, sample_inverse_cdf(p_res, uniforms[:, 0])
+
+
+def _verify_typical(p: _NodeRows, tree: _Tree, uniforms: torch.Tensor, epsilon: float, delta: float):
+    """LOSSY Medusa-2 typical acceptance; deepest passing path, bonus ~ p[last]."""
+    entropy = p.per_node(lambda x: -torch.special.xlogy(x.float(), x.float()).sum(-1))  # [B, N]
+    threshold = torch.clamp(delta * torch.exp(-entropy), max=epsilon)
+    passes = tree.real & (tree.parents >= 0) & (_parent_values(p, tree) > threshold.gather(1, tree.parents.clamp(min=0)))
+    final = _deepest_path_end(passes, tree)
+    return final, sample_inverse_cdf(p.rows(final), uniforms[:, 0])
+
+
+def _try_cuda(candidates, parents, target_probs, draft_probs, method, num_nodes, uniforms):
+    try:
+        from specplug.common import cuda as _cuda
+
+        try_verify = _cuda.try_verify
+    except (ImportError, AttributeError):
+        return None
+    return try_verify(
+        candidates, parents, target_probs, draft_probs, method=method, num_nodes=num_nodes, uniforms=uniforms
+    )
+
+
+def verify(
+    candidates: torch.Tensor,
+    parents: torch.Tensor,
+    target_probs: torch.Tensor,
+    draft_probs: torch.Tensor | None = None,
+    *,
+    method: str = "greedy",
+    num_nodes: torch.Tensor | None = None,
+    generators: Sequence[torch.Generator | None] | None = None,
+    uniforms: torch.Tensor | None = None,
+    typical_epsilon: float = TYPICAL_EPSILON,
+    typical_delta: float = TYPICAL_DELTA,
+    validate: bool = True,
+) -> VerifyResult:
+    """Verify a batch of draft trees against the target; see the module docstring.
+
+    candidates, parents: Long [B, N] (node 0 = root; padding parents -1).
+    target_probs: Float [B, N, V] or flattened [sum(num_nodes), V]: target
+        distribution of the token AFTER each node, from :func:`process_logits`
+        (greedy: logits are fine, argmax only).
+    draft_probs: same layout, the distribution each node's children were drawn
+        from i.i.d.; None = deterministic drafting (target-only rule). Used by
+        "rejection" only.
+    num_nodes: Long [B] real nodes per row (default all N).
+    generators / uniforms: randomness, see :func:`draw_uniforms`; not drawn for greedy.
+    validate: check probability rows (sum to 1 within tolerance, no NaN/inf).
+    """
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    tree = _check_tree(candidates, parents, num_nodes)
+    _check_probs("target_probs", target_probs, tree)
+    _check_probs("draft_probs", draft_probs, tree, vocab=target_probs.shape[-1])
+    bsz, n = tree.parents.shape
+    p = _NodeRows(target_probs, tree)
+    if method == "greedy":
+        values, argmax = p.per_node(lambda x: x.max(-1))
+        if validate and bool((values.isnan() & tree.real).any()):
+            raise ValueError("target_probs contains NaN: check the target's logits")
+    else:
+        if uniforms is None:
+            uniforms = draw_uniforms(bsz, n, generators, device=target_probs.device)
+        uniforms = _check_uniforms(uniforms.to(target_probs.device), tree)
+        p_sum = p.per_node(lambda x: x.sum(-1, dtype=torch.float32))  # [B, N]
+        if validate:
+            _check_sums("target_probs", p_sum, tree.real, target_probs.dtype)
+    q = None
+    if method == "rejection" and draft_probs is not None:
+        q = _NodeRows(draft_probs, tree)
+        if validate:
+            has_child = torch.zeros_like(tree.real)
+            has_child.scatter_(1, tree.parents.clamp(min=0), tree.real & (tree.parents >= 0))
+            _check_sums("draft_probs", q.per_node(lambda x: x.sum(-1, dtype=torch.float32)), has_child, draft_probs.dtype)
+    if target_probs.is_cuda and method != "typical":
+        result = _try_cuda(candidates, tree.parents, target_probs, draft_probs if q is not None else None,
+                           method, tree.num_nodes, uniforms)
+        if result is not None:
+            return result
+    if method == "greedy":
+        final, bonus = _verify_greedy(p, tree, argmax)
+    elif method == "typical":
+        final, bonus = _verify_typical(p, tree, uniforms, typical_epsilon, typical_delta)
+    elif q is None:
+        final, bonus = _verify_target_only(p, tree, p_sum, uniforms)
+    else:
+        final, bonus = _verify_draft_probs(p, q, tree, p_sum, uniforms)
+    return _result(final, bonus, tree)

@@ -1,0 +1,628 @@
+"""Draft-tree structure: parents, depth, tokens, masks, positions, paths, and builders.
+
+Conventions (the shared core contract, see docs/core.md):
+
+* Node 0 is the root: the last token already committed. ``parents[0] == -1`` and
+  ``parents[i] < i`` for every other node, so node ids are a topological order.
+* Children of a node are tested by the verifier in increasing node-id order, so
+  builders put the sibling they trust most first.
+* ``budget`` counts DRAFT nodes, root excluded: a tree has ``budget + 1`` nodes.
+  SGLang's ``speculative_num_draft_tokens`` is ``budget + 1``; vLLM's
+  ``num_speculative_tokens`` for a chain is ``budget``.
+* Batched trees are padded to a common node count ``N`` with ``parents = -1`` and
+  ``num_nodes [B]`` saying how many nodes of each row are real.
+
+Builders: :func:`chain`, :func:`from_choices` (Medusa static trees),
+:func:`optimal_sparse` (Medusa paper section 3.1) and :func:`dynamic` (EAGLE-2).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import heapq
+import logging
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "TreeConfig",
+    "DraftTree",
+    "TreeBatch",
+    "Frontier",
+    "chain",
+    "from_choices",
+    "fill_static",
+    "optimal_sparse",
+    "dynamic",
+    "stack_trees",
+    "check_parents",
+    "tree_depths",
+    "path_reduce",
+    "sibling_rank",
+    "ancestor_mask",
+    "retrieve_paths",
+    "sglang_layout",
+    "flat_tree_masks",
+]
+
+
+# --------------------------------------------------------------------------- settings
+
+
+@dataclass(frozen=True)
+class TreeConfig:
+    """Draft-tree settings; the defaults here are the project's ONE set of defaults.
+
+    depth:  maximum draft depth (a chain of ``depth`` tokens at most).
+    topk:   children expanded per frontier node and frontier width (EAGLE-2), or
+            top-k candidates per Medusa head.
+    budget: draft nodes kept, root excluded (tree has ``budget + 1`` nodes).
+
+    Defaults suit a 2-core CPU (a 16-node verify pass costs about a 4-token pass
+    there); GPU deployments use larger budgets (EAGLE-2: depth 6, topk 10, budget 60).
+    """
+
+    depth: int = 4
+    topk: int = 4
+    budget: int = 15
+
+    def __post_init__(self) -> None:
+        for name in ("depth", "topk", "budget"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(
+                    f"TreeConfig.{name} must be an int >= 1, got {value!r}: "
+                    f"pass a positive {name}"
+                )
+
+    @property
+    def num_nodes(self) -> int:
+        """Nodes in a full tree, root included (SGLang's num_draft_tokens)."""
+        return self.budget + 1
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "TreeConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(data) - known
+        if unknown:
+            raise ValueError(
+                f"TreeConfig got unknown keys {sorted(unknown)}; expected a subset of "
+                f"{sorted(known)}: remove the extra keys"
+            )
+        return cls(**data)
+
+
+# --------------------------------------------------------------------------- batched structure helpers
+
+
+def _as_long(name: str, x) -> torch.Tensor:
+    t = torch.as_tensor(x)
+    if t.dtype not in (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8):
+        raise TypeError(f"{name} must be an integer tensor, got dtype {t.dtype}: pass token/node ids as torch.long")
+    return t.long()
+
+
+def check_parents(parents: torch.Tensor, num_nodes: torch.Tensor | None = None, name: str = "parents") -> None:
+    """Raise ValueError unless ``parents`` [..., N] describes valid trees.
+
+    Invariants checked on the first ``num_nodes`` nodes of every row: node 0 has
+    parent -1, every other node i has 0 <= parent < i. Padding nodes are not checked.
+    """
+    if parents.dim() < 1 or parents.shape[-1] < 1:
+        raise ValueError(f"{name} must have shape [..., N] with N >= 1, got {tuple(parents.shape)}")
+    n = parents.shape[-1]
+    ids = torch.arange(n, device=parents.device)
+    real = torch.ones_like(parents, dtype=torch.bool)
+    if num_nodes is not None:
+        real = ids < num_nodes.unsqueeze(-1)
+    if bool((parents[..., 0] != -1).any()):
+        raise ValueError(f"{name}[..., 0] must be -1 (node 0 is the root), got {parents[..., 0].flatten()[:8].tolist()}")
+    bad = real[..., 1:] & ((parents[..., 1:] < 0) | (parents[..., 1:] >= ids[1:]))
+    if bool(bad.any()):
+        where = bad.nonzero()[0].tolist()
+        raise ValueError(
+            f"{name} is not a tree: node {where[-1] + 1} at index {where[:-1]} has parent "
+            f"{parents[tuple(where[:-1]) + (where[-1] + 1,)].item()}; every node i >= 1 needs "
+            f"0 <= parent < i (number nodes in topological order, root = 0)"
+        )
+
+
+def _steps_for(n: int) -> int:
+    """Pointer-jumping rounds that cover any path in an n-node tree."""
+    return max(1, math.ceil(math.log2(max(n, 2))) + 1)
+
+
+def path_reduce(values: torch.Tensor, parents: torch.Tensor, op) -> torch.Tensor:
+    """Reduce ``op`` over each node and all its ancestors: [..., N] -> [..., N].
+
+    ``op`` must be associative (torch.add, torch.minimum, torch.logical_and, ...).
+    Pointer jumping: O(log N) gathers, no host sync. Padding nodes (parent -1)
+    keep their own value.
+    """
+    val = values.clone()
+    jump = parents.clone()
+    for _ in range(_steps_for(parents.shape[-1])):
+        valid = jump >= 0
+        safe = jump.clamp(min=0)
+        val = torch.where(valid, op(val, val.gather(-1, safe)), val)
+        jump = torch.where(valid, jump.gather(-1, safe), jump)
+    return val
+
+
+def tree_depths(parents: torch.Tensor) -> torch.Tensor:
+    """Depth of every node, root 0: parents [..., N] -> depth [..., N] (long).
+
+    Padding nodes (parent -1) get depth 0.
+    """
+    return path_reduce((parents >= 0).long(), parents, torch.add)
+
+
+def ancestor_mask(parents: torch.Tensor) -> torch.Tensor:
+    """Ancestor-or-self mask: parents [..., N] -> Bool [..., N, N].
+
+    ``mask[..., i, j]`` is True iff j == i or j is an ancestor of i (row i may attend
+    to column j). Padding nodes attend only to themselves.
+    """
+    ids = torch.arange(parents.shape[-1], device=parents.device)
+    mask = ids.unsqueeze(-1) == ids  # [N, N] self
+    cur = parents
+    for _ in range(parents.shape[-1]):
+        if not bool((cur >= 0).any()):
+            break
+        mask = mask | (cur.unsqueeze(-1) == ids)  # -1 matches no column
+        cur = torch.where(cur >= 0, parents.gather(-1, cur.clamp(min=0)), cur)
+    return mask.expand(*parents.shape, parents.shape[-1]).clone()
+
+
+def retrieve_paths(parents: torch.Tensor) -> torch.Tensor:
+    """Root->leaf node ids of one tree: parents [N] -> Long [leaves, max_depth + 1], -1 padded.
+
+    Leaves are listed in increasing node id.
+    """
+    n = parents.shape[0]
+    has_child = torch.zeros(n, dtype=torch.bool)
+    has_child[parents[parents >= 0]] = True
+    leaves = (~has_child).nonzero().flatten()
+    depth = tree_depths(parents)
+    paths = torch.full((len(leaves), int(depth.max()) + 1), -1, dtype=torch.long)
+    cur = leaves.clone()
+    while bool((cur >= 0).any()):
+        valid = cur >= 0
+        rows = valid.nonzero().flatten()
+        paths[rows, depth[cur[rows]]] = cur[rows]
+        cur = torch.where(valid, parents[cur.clamp(min=0)], cur)
+    return paths
+
+
+def sibling_rank(parents: torch.Tensor) -> torch.Tensor:
+    """Rank of each node among its siblings in node-id order: [..., N] -> [..., N] (root 0)."""
+    n = parents.shape[-1]
+    same = parents.unsqueeze(-1) == parents.unsqueeze(-2)  # [..., N, N]
+    earlier = torch.ones(n, n, dtype=torch.bool, device=parents.device).tril(-1)
+    return (same & earlier & (parents.unsqueeze(-1) >= 0)).sum(-1)
+
+
+def sglang_layout(parents: torch.Tensor, num_nodes: torch.Tensor | None = None):
+    """SGLang's verify layout: parents [B, N] (or [N]) -> three Long tensors of the same shape.
+
+    ``retrieve_index[b, i] = b * N + i`` (row of node i in the flattened batch),
+    ``retrieve_next_token[b, i]`` = first child of i, ``retrieve_next_sibling[b, i]``
+    = next sibling of i, both in node-id order, -1 = none. Padding nodes are -1.
+    """
+    single = parents.dim() == 1
+    p = parents.unsqueeze(0) if single else parents
+    bsz, n = p.shape
+    ids = torch.arange(n, device=p.device)
+    real = torch.ones_like(p, dtype=torch.bool) if num_nodes is None else ids < num_nodes.unsqueeze(-1)
+    p = torch.where(real, p, torch.full_like(p, -1))
+    retrieve_index = torch.where(real, ids + n * torch.arange(bsz, device=p.device).unsqueeze(-1), -1)
+    is_child = p.unsqueeze(-2) == ids.view(1, n, 1)  # [B, parent, node]
+    is_child &= ids.view(1, 1, n) > 0
+    big = torch.full_like(p, n).unsqueeze(-2).expand(bsz, n, n)
+    first = torch.where(is_child, ids.view(1, 1, n).expand(bsz, n, n), big).min(-1).values
+    next_token = torch.where(first < n, first, -1)
+    same = (p.unsqueeze(-1) == p.unsqueeze(-2)) & (p.unsqueeze(-1) >= 0)  # [B, node, other]
+    later = ids.view(1, 1, n) > ids.view(1, n, 1)
+    nxt = torch.where(same & later, ids.view(1, 1, n).expand(bsz, n, n), big).min(-1).values
+    next_sibling = torch.where(nxt < n, nxt, -1)
+    out = (retrieve_index, next_token, next_sibling)
+    return tuple(t[0] for t in out) if single else out
+
+
+def flat_tree_masks(trees: Sequence["DraftTree"]) -> torch.Tensor:
+    """The "n x n mask per request" export: Bool [sum(N_b ** 2)], row-major per request.
+
+    This is the flat tree mask SGLang's ngram worker hands to
+    ``reconstruct_indices_from_tree_mask``.
+    """
+    return torch.cat([t.attention_mask().flatten() for t in trees]) if trees else torch.zeros(0, dtype=torch.bool)
+
+
+# --------------------------------------------------------------------------- one tree
+
+
+@dataclass(frozen=True)
+class DraftTree:
+    """One request's draft tree.
+
+    tokens:  Long [N], token at each node (node 0: the root = last committed token).
+    parents: Long [N], parents[0] = -1, 0 <= parents[i] < i.
+    scores:  optional Float [N], cumulative draft log-prob of each node (root 0).
+    """
+
+    tokens: torch.Tensor
+    parents: torch.Tensor
+    scores: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        tokens = _as_long("tokens", self.tokens)
+        parents = _as_long("parents", self.parents)
+        if tokens.dim() != 1 or parents.shape != tokens.shape:
+            raise ValueError(
+                f"tokens and parents must both have shape [N], got {tuple(tokens.shape)} and "
+                f"{tuple(parents.shape)}: pass one request's tree (use stack_trees for a batch)"
+            )
+        check_parents(parents)
+        if self.scores is not None and torch.as_tensor(self.scores).shape != tokens.shape:
+            raise ValueError(f"scores must have shape {tuple(tokens.shape)}, got {tuple(torch.as_tensor(self.scores).shape)}")
+        object.__setattr__(self, "tokens", tokens)
+        object.__setattr__(self, "parents", parents)
+
+    @property
+    def num_nodes(self) -> int:
+        return self.tokens.shape[0]
+
+    @functools.cached_property
+    def depth(self) -> torch.Tensor:
+        """Long [N], root 0."""
+        return tree_depths(self.parents)
+
+    @property
+    def max_depth(self) -> int:
+        return int(self.depth.max())
+
+    def attention_mask(self) -> torch.Tensor:
+        """Bool [N, N]: row i may attend to column j iff j is i or an ancestor of i."""
+        return ancestor_mask(self.parents)
+
+    def positions(self, offset: int = 0) -> torch.Tensor:
+        """Long [N] = offset + depth (offset = position of the root token)."""
+        return self.depth + offset
+
+    def retrieve_paths(self) -> torch.Tensor:
+        """Long [leaves, max_depth + 1]: node ids root->leaf, -1 padded."""
+        return retrieve_paths(self.parents)
+
+    def sglang_layout(self):
+        """(retrieve_index, retrieve_next_token, retrieve_next_sibling), Long [N] each."""
+        return sglang_layout(self.parents)
+
+    def children(self, node: int) -> list[int]:
+        return (self.parents == node).nonzero().flatten().tolist()
+
+    def with_tokens(self, tokens: torch.Tensor) -> "DraftTree":
+        return DraftTree(tokens, self.parents, self.scores)
+
+
+class TreeBatch(NamedTuple):
+    """Padded batch of trees: candidates/parents Long [B, N], num_nodes Long [B]."""
+
+    candidates: torch.Tensor
+    parents: torch.Tensor
+    num_nodes: torch.Tensor
+    scores: torch.Tensor | None = None
+
+    def unbind(self) -> list[DraftTree]:
+        out = []
+        for b in range(self.candidates.shape[0]):
+            n = int(self.num_nodes[b])
+            s = None if self.scores is None else self.scores[b, :n]
+            out.append(DraftTree(self.candidates[b, :n], self.parents[b, :n], s))
+        return out
+
+
+def stack_trees(trees: Sequence[DraftTree]) -> TreeBatch:
+    """list[DraftTree] -> (candidates [B, N], parents [B, N], num_nodes [B]), padded with -1 parents.
+
+    Padding candidates are 0. Scores, when every tree has them, are padded with -inf.
+    """
+    if not trees:
+        raise ValueError("stack_trees needs at least one DraftTree, got an empty list")
+    n = max(t.num_nodes for t in trees)
+    bsz = len(trees)
+    candidates = torch.zeros(bsz, n, dtype=torch.long)
+    parents = torch.full((bsz, n), -1, dtype=torch.long)
+    have_scores = all(t.scores is not None for t in trees)
+    scores = torch.full((bsz, n), -math.inf) if have_scores else None
+    for b, t in enumerate(trees):
+        candidates[b, : t.num_nodes] = t.tokens
+        parents[b, : t.num_nodes] = t.parents
+        if scores is not None:
+            scores[b, : t.num_nodes] = torch.as_tensor(t.scores, dtype=scores.dtype)
+    num_nodes = torch.tensor([t.num_nodes for t in trees], dtype=torch.long)
+    return TreeBatch(candidates, parents, num_nodes, scores)
+
+
+# --------------------------------------------------------------------------- static builders
+
+
+def chain(k: int, tokens: Sequence[int] | torch.Tensor | None = None) -> DraftTree:
+    """A chain of ``k`` draft tokens: node i has parent i - 1 (k + 1 nodes, root included).
+
+    ``tokens`` (length k + 1, root first) defaults to zeros (structure only).
+    """
+    if not isinstance(k, int) or k < 0:
+        raise ValueError(f"chain length k must be an int >= 0, got {k!r}")
+    toks = torch.zeros(k + 1, dtype=torch.long) if tokens is None else torch.as_tensor(tokens)
+    return DraftTree(toks, torch.arange(-1, k, dtype=torch.long))
+
+
+def _normalise_choices(choices: Sequence[Sequence[int]]) -> list[tuple[int, ...]]:
+    paths = [tuple(int(i) for i in c) for c in choices]
+    seen = set()
+    for c in paths:
+        if len(c) == 0 or any(i < 0 for i in c):
+            raise ValueError(f"choices entries must be non-empty lists of top-k ranks >= 0, got {list(c)}")
+        if c in seen:
+            raise ValueError(f"choices contains {list(c)} twice: list each tree path once")
+        seen.add(c)
+    for c in paths:
+        if len(c) > 1 and c[:-1] not in seen:
+            raise ValueError(
+                f"choices is not closed under parents: {list(c)} is listed but its parent "
+                f"{list(c[:-1])} is not: add the parent path"
+            )
+    return sorted(paths, key=lambda c: (len(c), c))
+
+
+def from_choices(
+    choices: Sequence[Sequence[int]],
+    head_tokens: torch.Tensor | None = None,
+    root_token: int = 0,
+) -> DraftTree:
+    """Medusa static tree from top-k index paths, e.g. ``[[0], [1], [0, 0], [0, 1]]``.
+
+    Path ``[i1, ..., id]`` is the node reached by taking head 1's rank-i1 token, then
+    head 2's rank-i2 token, ... Nodes are ordered by (depth, path) as Medusa orders
+    them, so siblings are tested best rank first.
+
+    head_tokens: optional Long [heads, topk], rank-r token of head h; fills the node
+    tokens (node = head_tokens[depth - 1, rank]). Without it the tree is a TEMPLATE:
+    ``tokens[i]`` is node i's top-k rank (root: 0); :func:`fill_static` turns a
+    template plus per-request head outputs into candidates.
+    """
+    paths = _normalise_choices(choices)
+    index = {(): 0}
+    parents = [-1]
+    ranks = [0]
+    for i, c in enumerate(paths, start=1):
+        index[c] = i
+        parents.append(index[c[:-1]])
+        ranks.append(c[-1])
+    tree = DraftTree(torch.tensor(ranks, dtype=torch.long), torch.tensor(parents, dtype=torch.long))
+    if head_tokens is None:
+        return tree
+    candidates = fill_static(tree, torch.tensor([root_token]), torch.as_tensor(head_tokens).unsqueeze(0))
+    return tree.with_tokens(candidates[0])
+
+
+def fill_static(template: DraftTree, root_tokens: torch.Tensor, head_tokens: torch.Tensor) -> torch.Tensor:
+    """Candidates of a static tree for a batch: -> Long [B, N].
+
+    template:    tree from :func:`from_choices` without head tokens (tokens = ranks).
+    root_tokens: Long [B], the last committed token of each request.
+    head_tokens: Long [B, heads, topk], rank-r token of head h for each request.
+    """
+    heads, topk = head_tokens.shape[-2:]
+    depth, ranks = template.depth, template.tokens
+    if template.max_depth > heads or int(ranks.max()) >= topk:
+        raise ValueError(
+            f"head_tokens has shape [B, {heads}, {topk}] but the tree needs depth "
+            f"{template.max_depth} and rank {int(ranks.max())}: give at least that many heads / top-k"
+        )
+    flat = (depth - 1).clamp(min=0) * topk + ranks  # [N] index into heads*topk
+    candidates = head_tokens.reshape(head_tokens.shape[0], heads * topk)[:, flat]
+    candidates[:, 0] = root_tokens
+    return candidates
+
+
+def optimal_sparse(accuracies, budget: int) -> tuple[DraftTree, float]:
+    """Medusa paper section 3.1: the ``budget``-node tree with the largest expected acceptance.
+
+    accuracies: [heads, topk] (nested lists or tensor); accuracies[h][r] = measured
+    probability that head h's rank-r prediction is the correct token.
+    A node's path (r1, ..., rd) is accepted with probability prod_h accuracies[h][r_h]
+    (heads treated independently, as the paper does). Grow the tree greedily: each
+    time add the node, among children of nodes already in the tree, with the largest
+    expected acceptance. Because a child's value never exceeds its parent's, this
+    picks the ``budget`` best paths overall, i.e. the optimum over trees closed under
+    parents.
+
+    Returns the template tree (tokens = ranks, see :func:`from_choices`) and its
+    expected acceptance length ``1 + sum of node values`` (tokens per step, bonus
+    included).
+    """
+    acc = torch.as_tensor(accuracies, dtype=torch.float64)
+    if acc.dim() != 2 or acc.numel() == 0:
+        raise ValueError(f"accuracies must be [heads, topk], got shape {tuple(acc.shape)}")
+    if bool(((acc < 0) | (acc > 1) | acc.isnan()).any()):
+        raise ValueError("accuracies must lie in [0, 1] (probabilities that a head's rank-r token is right)")
+    if not isinstance(budget, int) or budget < 1:
+        raise ValueError(f"budget must be an int >= 1 (draft nodes, root excluded), got {budget!r}")
+    heads, topk = acc.shape
+    budget = min(budget, sum(topk ** d for d in range(1, heads + 1)))
+    chosen: list[tuple[int, ...]] = []
+    values: list[float] = []
+    # max-heap on value; ties broken by (depth, path) so parents win over children
+    frontier = [(-float(acc[0, r]), (r,)) for r in range(topk)]
+    heapq.heapify(frontier)
+    while frontier and len(chosen) < budget:
+        neg, path = heapq.heappop(frontier)
+        chosen.append(path)
+        values.append(-neg)
+        if len(path) < heads:
+            for r in range(topk):
+                heapq.heappush(frontier, (neg * float(acc[len(path), r]), path + (r,)))
+    return from_choices(chosen), 1.0 + sum(values)
+
+
+# --------------------------------------------------------------------------- EAGLE-2 dynamic trees
+
+
+class Frontier(NamedTuple):
+    """What :func:`dynamic` hands the drafter at each expansion (batched, F = frontier width).
+
+    depth:        depth of the frontier nodes (1 at the first call; root = 0).
+    tokens:       Long [B, F] target-vocab token of each frontier node: the drafter's input.
+    node_ids:     Long [B, F] ids of the frontier nodes among ``tree_tokens``.
+    parent_slot:  Long [B, F] index, in the PREVIOUS call's frontier, of each node's
+                  parent (0 at depth 1, where the previous "frontier" was the root).
+                  EAGLE drafters feed the hidden state their previous call produced
+                  at that slot together with the token.
+    tree_tokens:  Long [B, n] every node drafted so far (root first), n = nodes so far.
+    tree_parents: Long [B, n] their parents (-1 for the root).
+    expanded_mask: Bool [B, F, E] over the nodes the drafter has RUN so far, in call
+                  order: column 0 = root, then each earlier call's F frontier nodes,
+                  then this call's F nodes (E = 1 + depth * F). True where the
+                  column is the row's ancestor or itself. A drafter that appends each
+                  call's frontier to its KV cache uses this as the tree part of the
+                  attention mask (context columns are all True).
+    positions:    Long [B, F] depth of each frontier node (add the root's position).
+    """
+
+    depth: int
+    tokens: torch.Tensor
+    node_ids: torch.Tensor
+    parent_slot: torch.Tensor
+    tree_tokens: torch.Tensor
+    tree_parents: torch.Tensor
+    expanded_mask: torch.Tensor
+    positions: torch.Tensor
+
+
+Expand = Callable[[Frontier], torch.Tensor]
+
+
+def _topk_children(logprobs: torch.Tensor, k: int, token_map: torch.Tensor | None):
+    """logprobs [B, F, V] -> (tokens [B, F*k], logp [B, F*k]) ordered (slot, rank)."""
+    logp, idx = logprobs.topk(k, dim=-1)  # [B, F, k]
+    tokens = idx if token_map is None else token_map[idx]
+    return tokens.flatten(1), logp.flatten(1)
+
+
+def _validate_dynamic(root_tokens, root_logprobs, depth, topk, budget):
+    if not isinstance(budget, int) or budget < 1:
+        raise ValueError(f"budget must be an int >= 1 (draft nodes, root excluded), got {budget!r}")
+    for name, v in (("depth", depth), ("topk", topk)):
+        if not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+    if root_tokens.dim() != 1 or root_logprobs.dim() != 2 or root_logprobs.shape[0] != root_tokens.shape[0]:
+        raise ValueError(
+            f"root_tokens must be [B] and root_logprobs [B, V], got {tuple(root_tokens.shape)} "
+            f"and {tuple(root_logprobs.shape)}"
+        )
+    if bool(root_logprobs.isnan().any()):
+        raise ValueError("root_logprobs contains NaN: check the drafter's output")
+
+
+def dynamic(
+    expand: Expand,
+    root_tokens: torch.Tensor,
+    root_logprobs: torch.Tensor,
+    depth: int = TreeConfig.depth,
+    topk: int = TreeConfig.topk,
+    budget: int = TreeConfig.budget,
+    token_map: torch.Tensor | None = None,
+) -> TreeBatch:
+    """EAGLE-2 dynamic draft trees for a batch of requests.
+
+    root_tokens:   Long [B], last committed token per request.
+    root_logprobs: Float [B, V'] draft log-probs of the token after the root (the
+                   drafter's first forward, run by the caller).
+    expand:        callback ``expand(frontier: Frontier) -> Float [B, F, V']`` giving
+                   the draft log-probs of the token after each frontier node; called
+                   ``depth - 1`` times, with F = min(topk, V') nodes each time.
+    token_map:     optional Long [V'] target token id of each draft-vocab index
+                   (EAGLE-3: ``arange(V') + d2t``); tree tokens are target ids.
+
+    Algorithm: the root's top-k children form depth 1. At each further depth every
+    frontier node gets its top-k children (k*k candidates, score = parent score +
+    log-prob) and the k best by score become the next frontier. Finally all drafted
+    nodes are reranked by score and the ``budget`` best kept (at most all drafted).
+    Ranking uses ``min(score, parent's rank score)`` with ties broken by drafting
+    order, so the kept set is closed under parents even if a drafter returns
+    unnormalised scores. Kept nodes keep their drafting order, so parents precede
+    children and siblings come best-rank first.
+
+    Returns a TreeBatch with N = kept + 1 nodes per request and ``scores`` [B, N].
+    """
+    _validate_dynamic(root_tokens, root_logprobs, depth, topk, budget)
+    bsz = root_tokens.shape[0]
+    dev = root_tokens.device
+    k = min(topk, root_logprobs.shape[-1])
+    tokens, scores = _topk_children(root_logprobs.unsqueeze(1), k, token_map)  # [B, k]
+    tree_tokens = torch.cat([root_tokens.view(bsz, 1), tokens], 1)
+    tree_parents = torch.cat([torch.full((bsz, 1), -1, device=dev), torch.zeros(bsz, k, dtype=torch.long, device=dev)], 1)
+    tree_scores = torch.cat([torch.zeros(bsz, 1, dtype=scores.dtype, device=dev), scores], 1)
+    frontier_ids = torch.arange(1, k + 1, device=dev).expand(bsz, k)
+    parent_slot = torch.zeros(bsz, k, dtype=torch.long, device=dev)
+    expanded = [torch.zeros(bsz, 1, dtype=torch.long, device=dev), frontier_ids]  # node ids in call order
+    for d in range(1, depth):
+        front = _frontier(d, tree_tokens, tree_parents, frontier_ids, parent_slot, expanded)
+        logprobs = expand(front)
+        if logprobs.shape[:2] != (bsz, k):
+            raise ValueError(f"expand must return [B={bsz}, F={k}, V], got {tuple(logprobs.shape)}")
+        child_tokens, child_logp = _topk_children(logprobs, k, token_map)  # [B, k*k]
+        child_scores = tree_scores.gather(1, frontier_ids).repeat_interleave(k, 1) + child_logp
+        child_parents = frontier_ids.repeat_interleave(k, 1)
+        n0 = tree_tokens.shape[1]
+        tree_tokens = torch.cat([tree_tokens, child_tokens], 1)
+        tree_parents = torch.cat([tree_parents, child_parents], 1)
+        tree_scores = torch.cat([tree_scores, child_scores], 1)
+        best = child_scores.topk(k, dim=1).indices.sort(1).values  # [B, k] in drafting order
+        parent_slot = best // k
+        frontier_ids = best + n0
+        expanded.append(frontier_ids)
+    return _rerank(tree_tokens, tree_parents, tree_scores, budget)
+
+
+def _frontier(d, tree_tokens, tree_parents, frontier_ids, parent_slot, expanded) -> Frontier:
+    run = torch.cat(expanded, 1)  # [B, E] node ids the drafter has run, in call order
+    anc = ancestor_mask(tree_parents)  # [B, n, n]
+    rows = anc.gather(1, frontier_ids.unsqueeze(-1).expand(-1, -1, anc.shape[-1]))  # [B, F, n]
+    mask = rows.gather(2, run.unsqueeze(1).expand(-1, frontier_ids.shape[1], -1))  # [B, F, E]
+    return Frontier(
+        depth=d,
+        tokens=tree_tokens.gather(1, frontier_ids),
+        node_ids=frontier_ids,
+        parent_slot=parent_slot,
+        tree_tokens=tree_tokens,
+        tree_parents=tree_parents,
+        expanded_mask=mask,
+        positions=torch.full_like(frontier_ids, d),
+    )
+
+
+def _rerank(tree_tokens, tree_parents, tree_scores, budget) -> TreeBatch:
+    """Keep the ``budget`` best drafted nodes (closed under parents), root first."""
+    bsz, n = tree_tokens.shape
+    keep = min(budget, n - 1)
+    rank_score = path_reduce(tree_scores, tree_parents, torch.minimum)  # parents rank >= children
+    order = rank_score[:, 1:].sort(dim=1, descending=True, stable=True).indices[:, :keep] + 1
+    kept = torch.cat([torch.zeros(bsz, 1, dtype=torch.long, device=order.device), order.sort(1).values], 1)
+    new_id = torch.full((bsz, n), -1, dtype=torch.long, device=kept.device)
+    new_id.scatter_(1, kept, torch.arange(keep + 1, device=kept.device).expand(bsz, -1))
+    old_parents = tree_parents.gather(1, kept)
+    parents = torch.where(old_parents >= 0, new_id.gather(1, old_parents.clamp(min=0)), old_parents)
+    num_nodes = torch.full((bsz,), keep + 1, dtype=torch.long, device=kept.device)
+    return TreeBatch(tree_tokens.gather(1, kept), parents, num_nodes, tree_scores.gather(1, kept))

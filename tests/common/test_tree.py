@@ -1,0 +1,306 @@
+"""Tree structure and builders: masks, positions, paths, layouts, optimal_sparse, dynamic."""
+
+import itertools
+import math
+import random
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from specplug.common import tree as T
+
+
+def random_parents(rng: random.Random, n: int) -> list[int]:
+    return [-1] + [rng.randrange(i) for i in range(1, n)]
+
+
+@st.composite
+def parents_lists(draw, max_nodes=12):
+    n = draw(st.integers(1, max_nodes))
+    return [-1] + [draw(st.integers(0, i - 1)) for i in range(1, n)]
+
+
+def ancestors(parents, i):
+    out = []
+    while i >= 0:
+        out.append(i)
+        i = parents[i]
+    return out  # self first, root last
+
+
+# --------------------------------------------------------------------------- structure
+
+
+@settings(max_examples=60, deadline=None)
+@given(parents_lists())
+def test_mask_depth_positions_paths_match_parents(parents):
+    n = len(parents)
+    tree = T.DraftTree(torch.arange(n), torch.tensor(parents))
+    mask = tree.attention_mask()
+    for i in range(n):
+        anc = set(ancestors(parents, i))
+        assert mask[i].nonzero().flatten().tolist() == sorted(anc)
+        assert tree.depth[i] == len(anc) - 1
+    assert tree.positions(7).tolist() == [7 + d for d in tree.depth.tolist()]
+    paths = tree.retrieve_paths()
+    leaves = [i for i in range(n) if i not in parents]
+    assert paths.shape == (len(leaves), tree.max_depth + 1)
+    for row, leaf in zip(paths.tolist(), leaves):
+        nodes = [x for x in row if x >= 0]
+        assert nodes == ancestors(parents, leaf)[::-1]
+        assert all(x == -1 for x in row[len(nodes):])
+
+
+@settings(max_examples=60, deadline=None)
+@given(parents_lists())
+def test_sglang_layout_walks_children_in_id_order(parents):
+    n = len(parents)
+    index, next_token, next_sibling = T.DraftTree(torch.zeros(n, dtype=torch.long), torch.tensor(parents)).sglang_layout()
+    assert index.tolist() == list(range(n))
+    for i in range(n):
+        kids = [j for j in range(n) if parents[j] == i]
+        walked, c = [], int(next_token[i])
+        while c >= 0:
+            walked.append(c)
+            c = int(next_sibling[c])
+        assert walked == kids
+
+
+def test_batched_helpers_match_single_trees_and_pad():
+    rng = random.Random(0)
+    trees = [T.DraftTree(torch.randint(0, 50, (n,)), torch.tensor(random_parents(rng, n))) for n in (1, 4, 9)]
+    batch = T.stack_trees(trees)
+    assert batch.candidates.shape == (3, 9) and batch.num_nodes.tolist() == [1, 4, 9]
+    assert (batch.parents[0, 1:] == -1).all() and (batch.parents[1, 4:] == -1).all()
+    masks = T.ancestor_mask(batch.parents)
+    depths = T.tree_depths(batch.parents)
+    idx, nxt, sib = T.sglang_layout(batch.parents, batch.num_nodes)
+    for b, t in enumerate(trees):
+        n = t.num_nodes
+        assert torch.equal(masks[b, :n, :n], t.attention_mask())
+        assert torch.equal(depths[b, :n], t.depth)
+        assert idx[b, :n].tolist() == [b * 9 + i for i in range(n)] and (idx[b, n:] == -1).all()
+        assert torch.equal(nxt[b, :n], t.sglang_layout()[1])
+        assert torch.equal(sib[b, :n], t.sglang_layout()[2])
+    flat = T.flat_tree_masks(trees)
+    assert flat.numel() == 1 + 16 + 81
+    assert torch.equal(flat[17:], trees[2].attention_mask().flatten())
+    for t, u in zip(trees, batch.unbind()):
+        assert torch.equal(t.tokens, u.tokens) and torch.equal(t.parents, u.parents)
+
+
+def test_chain():
+    c = T.chain(3, [9, 1, 2, 3])
+    assert c.parents.tolist() == [-1, 0, 1, 2]
+    assert torch.equal(c.attention_mask(), torch.ones(4, 4, dtype=torch.bool).tril())
+    assert c.retrieve_paths().tolist() == [[0, 1, 2, 3]]
+    assert T.chain(0).num_nodes == 1
+
+
+@pytest.mark.parametrize(
+    "parents, match",
+    [([0, 0], "must be -1"), ([-1, 1], "not a tree"), ([-1, 0, 3, 1], "not a tree"), ([-1, -1], "not a tree")],
+)
+def test_bad_parents_raise(parents, match):
+    with pytest.raises(ValueError, match=match):
+        T.DraftTree(torch.zeros(len(parents), dtype=torch.long), torch.tensor(parents))
+
+
+def test_bad_tree_inputs_raise():
+    with pytest.raises(ValueError, match="shape"):
+        T.DraftTree(torch.zeros(3, dtype=torch.long), torch.tensor([-1, 0]))
+    with pytest.raises(TypeError, match="integer"):
+        T.DraftTree(torch.zeros(2), torch.tensor([-1, 0]))
+    with pytest.raises(ValueError, match="stack_trees needs"):
+        T.stack_trees([])
+    with pytest.raises(ValueError, match="budget"):
+        T.TreeConfig(budget=0)
+    with pytest.raises(ValueError, match="unknown keys"):
+        T.TreeConfig.from_dict({"depth": 2, "width": 3})
+
+
+def test_tree_config_roundtrip():
+    cfg = T.TreeConfig(depth=3, topk=2, budget=5)
+    assert T.TreeConfig.from_dict(cfg.to_dict()) == cfg
+    assert cfg.num_nodes == 6
+
+
+# --------------------------------------------------------------------------- Medusa static trees
+
+
+def test_from_choices_orders_like_medusa_and_fills_tokens():
+    choices = [[1], [0, 0], [0], [0, 1], [1, 0], [0, 0, 0]]
+    t = T.from_choices(choices)
+    # sorted by (depth, path): [0], [1], [0,0], [0,1], [1,0], [0,0,0]
+    assert t.parents.tolist() == [-1, 0, 0, 1, 1, 2, 3]
+    assert t.tokens.tolist() == [0, 0, 1, 0, 1, 0, 0]  # template: ranks
+    head_tokens = torch.tensor([[10, 11], [20, 21], [30, 31]])  # [heads, topk]
+    filled = T.from_choices(choices, head_tokens, root_token=5)
+    assert filled.tokens.tolist() == [5, 10, 11, 20, 21, 20, 30]
+    batch = T.fill_static(t, torch.tensor([5, 6]), torch.stack([head_tokens, head_tokens + 100]))
+    assert batch[1].tolist() == [6, 110, 111, 120, 121, 120, 130]
+
+
+@pytest.mark.parametrize(
+    "choices, match", [([[0, 1]], "closed under parents"), ([[0], [0]], "twice"), ([[]], "non-empty"), ([[-1]], ">= 0")]
+)
+def test_from_choices_rejects_bad_paths(choices, match):
+    with pytest.raises(ValueError, match=match):
+        T.from_choices(choices)
+
+
+def test_fill_static_needs_enough_heads():
+    with pytest.raises(ValueError, match="heads"):
+        T.fill_static(T.from_choices([[0], [0, 0]]), torch.tensor([1]), torch.zeros(1, 1, 2, dtype=torch.long))
+
+
+def brute_force_best(acc, budget):
+    heads, topk = len(acc), len(acc[0])
+    nodes = [p for d in range(1, heads + 1) for p in itertools.product(range(topk), repeat=d)]
+    value = {p: math.prod(acc[h][r] for h, r in enumerate(p)) for p in nodes}
+    best = 0.0
+    for subset in itertools.combinations(nodes, budget):
+        s = set(subset)
+        if all(len(p) == 1 or p[:-1] in s for p in subset):
+            best = max(best, sum(value[p] for p in subset))
+    return 1.0 + best
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_optimal_sparse_matches_brute_force(seed):
+    rng = random.Random(seed)
+    heads, topk = rng.choice([(2, 2), (2, 3), (3, 2)])
+    acc = [[rng.random() for _ in range(topk)] for _ in range(heads)]  # deliberately not sorted by rank
+    for budget in range(1, 6):
+        tree, tau = T.optimal_sparse(acc, budget)
+        assert tree.num_nodes == budget + 1
+        assert tau == pytest.approx(brute_force_best(acc, budget), abs=1e-12)
+
+
+def test_optimal_sparse_prefers_chain_when_first_head_is_sure_and_validates():
+    tree, tau = T.optimal_sparse([[0.9, 0.05], [0.9, 0.05], [0.9, 0.05]], 3)
+    assert tree.parents.tolist() == [-1, 0, 1, 2]
+    assert tau == pytest.approx(1 + 0.9 + 0.81 + 0.729)
+    with pytest.raises(ValueError, match="budget"):
+        T.optimal_sparse([[0.5]], 0)
+    with pytest.raises(ValueError, match=r"\[0, 1\]"):
+        T.optimal_sparse([[1.5]], 1)
+    assert T.optimal_sparse([[0.5, 0.2]], 10)[0].num_nodes == 3  # clamped to every possible node
+
+
+# --------------------------------------------------------------------------- EAGLE-2 dynamic trees
+
+VOCAB = 23
+
+
+def path_logprobs(path: tuple) -> torch.Tensor:
+    """A deterministic toy drafter: log-probs depend on the token path from the root."""
+    g = torch.Generator().manual_seed(hash(path) % (2**31))
+    return torch.log_softmax(3 * torch.randn(VOCAB, generator=g), -1)
+
+
+def token_path(tokens, parents, node):
+    return tuple(tokens[i] for i in ancestors(parents, node)[::-1])
+
+
+class CheckingDrafter:
+    """expand() callback that checks the Frontier it is handed, then answers per path."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def __call__(self, f: T.Frontier) -> torch.Tensor:
+        self.calls += 1
+        bsz, width = f.tokens.shape
+        assert f.depth == self.calls and (f.positions == f.depth).all()
+        assert f.expanded_mask.shape == (bsz, width, 1 + f.depth * width)
+        out = torch.empty(bsz, width, VOCAB)
+        for b in range(bsz):
+            toks, pars = f.tree_tokens[b].tolist(), f.tree_parents[b].tolist()
+            for s in range(width):
+                node = int(f.node_ids[b, s])
+                assert toks[node] == f.tokens[b, s]
+                assert T.tree_depths(f.tree_parents[b])[node] == f.depth
+                out[b, s] = path_logprobs(token_path(toks, pars, node))
+        return out
+
+
+def reference_dynamic(root, depth, topk, budget):
+    """Plain-Python EAGLE-2 for one request (no batching, no tensors in the loop)."""
+    nodes = [((root,), 0.0, -1)]  # (token path, score, parent index)
+    lp = path_logprobs((root,))
+    frontier = []
+    for tok in lp.topk(topk).indices.tolist():
+        nodes.append(((root, tok), float(lp[tok]), 0))
+        frontier.append(len(nodes) - 1)
+    for _ in range(1, depth):
+        cands = []
+        for f in frontier:
+            lp = path_logprobs(nodes[f][0])
+            for tok in lp.topk(topk).indices.tolist():
+                nodes.append((nodes[f][0] + (tok,), nodes[f][1] + float(lp[tok]), f))
+                cands.append(len(nodes) - 1)
+        frontier = sorted(sorted(cands, key=lambda i: -nodes[i][1])[:topk])
+    kept = sorted(sorted(range(1, len(nodes)), key=lambda i: -nodes[i][1])[:budget])
+    return {nodes[i][0]: nodes[i][1] for i in kept}
+
+
+@pytest.mark.parametrize("depth, topk, budget", [(1, 3, 2), (3, 3, 7), (4, 2, 30), (4, 4, 12)])
+def test_dynamic_matches_reference_and_is_closed(depth, topk, budget):
+    roots = torch.tensor([3, 7, 11])
+    root_lp = torch.stack([path_logprobs((int(r),)) for r in roots])
+    drafter = CheckingDrafter()
+    batch = T.dynamic(drafter, roots, root_lp, depth=depth, topk=topk, budget=budget)
+    assert drafter.calls == depth - 1
+    for b, tree in enumerate(batch.unbind()):
+        toks, pars = tree.tokens.tolist(), tree.parents.tolist()
+        got = {token_path(toks, pars, i): float(tree.scores[i]) for i in range(1, tree.num_nodes)}
+        want = reference_dynamic(int(roots[b]), depth, topk, budget)
+        assert got.keys() == want.keys()
+        for path in got:
+            assert got[path] == pytest.approx(want[path], abs=1e-5)
+        assert tree.max_depth <= depth  # closed under parents is checked by DraftTree itself
+
+
+def test_dynamic_expanded_mask_marks_ancestors_in_call_order():
+    seen = []
+
+    def expand(f):
+        seen.append(f)
+        return torch.log_softmax(torch.randn(f.tokens.shape + (VOCAB,), generator=torch.Generator().manual_seed(len(seen))), -1)
+
+    T.dynamic(expand, torch.tensor([1, 2]), torch.log_softmax(torch.randn(2, VOCAB), -1), depth=4, topk=3, budget=10)
+    run = [torch.zeros(2, 1, dtype=torch.long)]
+    for f in seen:
+        run.append(f.node_ids)
+        order = torch.cat(run, 1)  # nodes the drafter ran, call order
+        for b in range(2):
+            pars = f.tree_parents[b].tolist()
+            for s in range(f.tokens.shape[1]):
+                anc = set(ancestors(pars, int(f.node_ids[b, s])))
+                assert f.expanded_mask[b, s].tolist() == [int(x) in anc for x in order[b]]
+                if f.depth > 1:
+                    prev = seen[f.depth - 2].node_ids[b, f.parent_slot[b, s]]
+                    assert pars[int(f.node_ids[b, s])] == prev
+
+
+def test_dynamic_token_map_and_unnormalised_scores_stay_closed():
+    token_map = torch.arange(VOCAB) * 10 + 1000  # draft vocab index -> target id
+
+    def expand(f):
+        return torch.full(f.tokens.shape + (VOCAB,), 5.0)  # positive "log-probs": children outscore parents
+
+    batch = T.dynamic(expand, torch.tensor([0]), torch.zeros(1, VOCAB), depth=3, topk=2, budget=4, token_map=token_map)
+    tree = batch.unbind()[0]  # DraftTree validates parents < child
+    assert tree.num_nodes == 5 and (tree.tokens[1:] >= 1000).all()
+
+
+def test_dynamic_bad_input_raises():
+    with pytest.raises(ValueError, match="budget"):
+        T.dynamic(lambda f: None, torch.tensor([0]), torch.zeros(1, 5), budget=0)
+    with pytest.raises(ValueError, match="root_logprobs"):
+        T.dynamic(lambda f: None, torch.tensor([0]), torch.zeros(5))
+    with pytest.raises(ValueError, match="expand must return"):
+        T.dynamic(lambda f: torch.zeros(1, 1, 5), torch.tensor([0]), torch.zeros(1, 5), depth=2, topk=2)
