@@ -794,7 +794,10 @@ def _to_medusa(head: LoadedHead, report: SaveReport, target: Any) -> tuple[dict,
             report.dropped.append(f"token_map + truncated_vocab_size={source.get('truncated_vocab_size')} "
                                   f"(draft-vocab truncation): the heads keep all {head.config['vocab_size']} "
                                   "rows, so drafting scores every token")
-    return copy.deepcopy(head.config), dict(head.state_dict)
+    config = copy.deepcopy(head.config)
+    # Harmless to FasterDecoding; without it vLLM builds bias-free blocks and silently skips the biases.
+    config["medusa_fc_bias"] = True
+    return config, dict(head.state_dict)
 
 
 def _to_vllm_medusa(head: LoadedHead, report: SaveReport, target: Any) -> tuple[dict, dict]:
@@ -805,8 +808,8 @@ def _to_vllm_medusa(head: LoadedHead, report: SaveReport, target: Any) -> tuple[
     for key, value in cfg.items():
         if key in ("medusa_num_heads", "medusa_num_layers"):
             continue
-        if key in ("architectures", "model_type"):
-            continue  # the format's identity: MedusaModel / medusa
+        if key in ("architectures", "model_type", "medusa_fc_bias"):
+            continue  # the format's identity (MedusaModel / medusa) and a flag set below
         if _renamed_by_vllm(key) or key in _VLLM_MEDUSA_KEYS:
             report.dropped.append(f"{_describe(key, value)} (vLLM's MedusaConfig reads this name as its "
                                   "own setting or as the Medusa head/layer count)")

@@ -230,7 +230,8 @@ def test_medusa_vllm_medusa_round_trip_is_bit_exact(tmp_path):
     assert "blocks.2.layers.1.bias" in files_tensors(tmp_path / "v")
     convert(tmp_path / "v", tmp_path / "m2", "medusa")
     assert tensor_bytes(load_file(str(tmp_path / "m2" / "medusa_lm_head.safetensors"))) == tensor_bytes(original)
-    assert json.loads((tmp_path / "m2" / "config.json").read_text()) == medusa_config()
+    # medusa_fc_bias: true is added so vLLM, reading a FasterDecoding head, keeps the biases
+    assert json.loads((tmp_path / "m2" / "config.json").read_text()) == {**medusa_config(), "medusa_fc_bias": True}
 
 
 def test_random_bit_patterns_survive_every_conversion(tmp_path):
