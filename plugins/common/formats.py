@@ -467,6 +467,12 @@ def _eagle3_expected(config: dict, where: str) -> tuple[dict, dict]:
     ht = _config_int(config, "target_hidden_size", where, h)
     ids = _eagle3_aux_ids(config)
     fc_in = (len(ids) if ids else NUM_AUX_HIDDEN_STATES) * ht
+    eagle = config.get("eagle_config") or {}
+    if "norm_before_residual" in eagle and "norm_before_residual" in config \
+            and bool(eagle["norm_before_residual"]) != bool(config["norm_before_residual"]):
+        raise CheckpointError("norm_before_residual", "one value", f"{config['norm_before_residual']} at the top "
+                              f"level, {eagle['norm_before_residual']} in eagle_config", where,
+                              "keep one norm_before_residual (vLLM reads the top-level key)")
     if draft > vocab:
         raise CheckpointError("draft_vocab_size", f"<= vocab_size {vocab}", draft, where,
                               "the draft vocabulary is a subset of the target's: fix config.json")
@@ -709,8 +715,18 @@ def _describe(key: str, value: Any) -> str:
     return f"{key}={json.dumps(value)[:80]}"
 
 
+def _norm_before_residual(config: dict) -> bool:
+    """Top-level key (what vLLM reads) or eagle_config's (what specplug's heads write)."""
+    eagle = config.get("eagle_config") or {}
+    return bool(config.get("norm_before_residual", eagle.get("norm_before_residual", False)))
+
+
 def _to_eagle3(head: LoadedHead, report: SaveReport, target: Any) -> tuple[dict, dict]:
     config = copy.deepcopy(head.config)
+    if _norm_before_residual(config):
+        config["norm_before_residual"] = True  # vLLM reads only the top-level key
+        report.notes.append("norm_before_residual=true: vLLM honours it; SGLang 0.5.23's eagle3 has no such "
+                            "option and would run this head with the norm after the residual")
     if head.extra.get("format") == "speculators":
         report.dropped += _dropped_source_keys(head, _SPECULATORS_IDENTITY | {
             "speculators_version", "transformers_version", "auto_map", "has_no_defaults_at_init"})
@@ -754,7 +770,7 @@ def _to_speculators(head: LoadedHead, report: SaveReport, target: Any) -> tuple[
     for key in _SPECULATORS_EAGLE_KEYS:
         if canonical.get(key) is not None:
             out[key] = canonical[key]
-    out["norm_before_residual"] = bool(canonical.get("norm_before_residual", False))  # vLLM's default is True
+    out["norm_before_residual"] = _norm_before_residual(canonical)  # explicit: vLLM's default here is True
     ids = _eagle3_aux_ids(canonical)
     if ids is not None:
         out["eagle_aux_hidden_state_layer_ids"] = ids

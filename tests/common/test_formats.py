@@ -283,6 +283,17 @@ def test_bias_free_vllm_medusa_gets_zero_biases_and_round_trips(tmp_path):
     assert "0.0.linear.bias" in files_tensors(tmp_path / "m")
 
 
+def test_norm_before_residual_is_written_where_vllm_reads_it(tmp_path):
+    """specplug's heads keep the flag in eagle_config; vLLM reads only the top-level key."""
+    config = eagle3_config(eagle_config={"eagle_aux_hidden_state_layer_ids": [2, 4, 5],
+                                         "use_aux_hidden_state": True, "norm_before_residual": True})
+    report = save_head((config, eagle3_state()), tmp_path / "e", "eagle3")
+    assert json.loads((tmp_path / "e" / "config.json").read_text())["norm_before_residual"] is True
+    assert any("SGLang" in n for n in report.notes)
+    convert(tmp_path / "e", tmp_path / "s", "speculators")
+    assert json.loads((tmp_path / "s" / "config.json").read_text())["norm_before_residual"] is True
+
+
 def test_save_head_takes_config_and_state_pair(tmp_path):
     report = save_head((eagle3_config(), eagle3_state()), tmp_path / "e", "eagle3")
     assert report.files == ["config.json", "model.safetensors"]
@@ -432,6 +443,8 @@ MALFORMED = {
     "mixed dtypes": (lambda t: _eagle(t, state=_mixed_dtypes()), None, "one floating dtype"),
     "quantized weight": (lambda t: _eagle(t, state=_int8_weight()), None, "tensor fc.weight dtype"),
     "float d2t": (lambda t: _eagle(t, state=_float_d2t()), None, "d2t dtype"),
+    "conflicting norm_before_residual": (lambda t: _eagle(t, config=eagle3_config(
+        norm_before_residual=True, eagle_config={"norm_before_residual": False})), None, "norm_before_residual"),
     "two decoder layers": (lambda t: _eagle(t, config=eagle3_config(num_hidden_layers=2)), None,
                            "num_hidden_layers"),
     "draft vocab > vocab": (lambda t: _eagle(t, config=eagle3_config(draft_vocab_size=100)), None,
@@ -504,3 +517,14 @@ def test_load_head_module_builds_medusa_heads(tmp_path):
     assert set(module.state_dict()) == set(state)
     for name, tensor in module.state_dict().items():
         assert torch.equal(tensor, state[name]), name
+
+
+def test_save_head_takes_head_modules(tmp_path):
+    """A module from specplug.common.heads saves straight to any format of its method."""
+    pytest.importorskip("specplug.common.heads.medusa")
+    eagle = formats.load_head_module(write_eagle3(tmp_path / "e"), TARGET)
+    save_head(eagle, tmp_path / "s", "speculators")
+    assert tensor_bytes(load_head(tmp_path / "s").state_dict) == tensor_bytes(eagle3_state())
+    medusa = formats.load_head_module(write_medusa(tmp_path / "m"), TARGET)
+    save_head(medusa, tmp_path / "v", "vllm-medusa")
+    assert tensor_bytes(load_head(tmp_path / "v").state_dict) == tensor_bytes(medusa_state())
