@@ -604,33 +604,34 @@ def _check_vocab_maps(head: LoadedHead, target_vocab: int | None) -> None:
                               "save t2d as bool")
 
 
-def _check_target_eagle3(head: LoadedHead, target: TargetDims) -> None:
+def _check_target_dims(head: LoadedHead, target: TargetDims, hidden_key: str) -> None:
+    """The head's width (hidden_key) and vocab against the target's."""
     cfg, where = head.config, _where(head)
-    ht_key = "target_hidden_size" if cfg.get("target_hidden_size") else "hidden_size"
-    if cfg[ht_key] != target.hidden_size:
-        raise CheckpointError(f"head {ht_key}", f"target hidden_size {target.hidden_size} ({target.where})",
-                              cfg[ht_key], where, "train or convert a head for this target")
+    if cfg[hidden_key] != target.hidden_size:
+        raise CheckpointError(f"head {hidden_key}", f"target hidden_size {target.hidden_size} ({target.where})",
+                              cfg[hidden_key], where, "train or convert a head for this target")
     if cfg["vocab_size"] != target.vocab_size:
         raise CheckpointError("head vocab_size", f"target vocab_size {target.vocab_size} ({target.where})",
                               cfg["vocab_size"], where, "train a head for this target's tokenizer")
-    ids = _eagle3_aux_ids(cfg)
-    if ids is not None:
-        bad = [i for i in ids if not 0 <= int(i) < target.num_layers]
-        if bad:
-            raise CheckpointError("eagle_config.eagle_aux_hidden_state_layer_ids",
-                                  f"ids in [0, {target.num_layers}) for the {target.num_layers}-layer target "
-                                  f"of {target.where} (id i = input of decoder layer i)", ids, where,
-                                  "train a head for this target, or fix the ids in config.json")
+
+
+def _check_target_eagle3(head: LoadedHead, target: TargetDims) -> None:
+    _check_target_dims(head, target, "target_hidden_size" if head.config.get("target_hidden_size") else "hidden_size")
+    ids, layers = _eagle3_aux_ids(head.config), target.num_layers
+    if ids is None and layers < 4:
+        raise CheckpointError("eagle_config.eagle_aux_hidden_state_layer_ids", "explicit ids for a target with "
+                              f"fewer than 4 layers (the default is (2, L//2, L-3))", "none", _where(head),
+                              "set eagle_config.eagle_aux_hidden_state_layer_ids to the layers the head was trained on")
+    bad = [i for i in ids or () if not 0 <= int(i) < layers]
+    if bad:
+        raise CheckpointError("eagle_config.eagle_aux_hidden_state_layer_ids",
+                              f"ids in [0, {layers}) for the {layers}-layer target of {target.where} "
+                              "(id i = input of decoder layer i)", ids, _where(head),
+                              "train a head for this target, or fix the ids in config.json")
 
 
 def _check_target_medusa(head: LoadedHead, target: TargetDims) -> None:
-    cfg, where = head.config, _where(head)
-    if cfg["hidden_size"] != target.hidden_size:
-        raise CheckpointError("head hidden_size", f"target hidden_size {target.hidden_size} ({target.where})",
-                              cfg["hidden_size"], where, "train or convert a head for this target")
-    if cfg["vocab_size"] != target.vocab_size:
-        raise CheckpointError("head vocab_size", f"target vocab_size {target.vocab_size} ({target.where})",
-                              cfg["vocab_size"], where, "train a head for this target's tokenizer")
+    _check_target_dims(head, target, "hidden_size")
 
 
 def _head_dtype(head: LoadedHead) -> str | None:

@@ -445,6 +445,8 @@ MALFORMED = {
     "float d2t": (lambda t: _eagle(t, state=_float_d2t()), None, "d2t dtype"),
     "conflicting norm_before_residual": (lambda t: _eagle(t, config=eagle3_config(
         norm_before_residual=True, eagle_config={"norm_before_residual": False})), None, "norm_before_residual"),
+    "default aux ids on a 3-layer target": (lambda t: _eagle(t, config=_without(eagle3_config(), "eagle_config")),
+                                            {**TARGET, "num_hidden_layers": 3}, "explicit ids"),
     "two decoder layers": (lambda t: _eagle(t, config=eagle3_config(num_hidden_layers=2)), None,
                            "num_hidden_layers"),
     "draft vocab > vocab": (lambda t: _eagle(t, config=eagle3_config(draft_vocab_size=100)), None,
