@@ -530,3 +530,26 @@ def test_save_head_takes_head_modules(tmp_path):
     medusa = formats.load_head_module(write_medusa(tmp_path / "m"), TARGET)
     save_head(medusa, tmp_path / "v", "vllm-medusa")
     assert tensor_bytes(load_head(tmp_path / "v").state_dict) == tensor_bytes(medusa_state())
+
+
+def test_heads_made_for_a_real_hf_target_validate_against_its_folder(tmp_path, tiny_llama_path, caplog):
+    """Heads shaped by specplug.common.heads for the tiny Llama (a transformers-5
+    config.json: `dtype`, `rope_parameters`) pass validation against that folder, and the
+    speculators output records it as the verifier."""
+    heads = pytest.importorskip("specplug.common.heads.medusa")
+    from specplug.common.heads.eagle3 import Eagle3Config, Eagle3Head
+    target = json.loads((Path(tiny_llama_path) / "config.json").read_text())
+    eagle = Eagle3Head(Eagle3Config.for_target(target, draft_vocab_size=100, aux_layer_ids=(1, 2, 3)))
+    medusa = heads.MedusaHeads(heads.MedusaConfig(medusa_num_heads=2, medusa_num_layers=1,
+                                                  hidden_size=target["hidden_size"], vocab_size=target["vocab_size"]))
+    save_head(eagle, tmp_path / "e", "eagle3")
+    save_head(medusa, tmp_path / "m", "medusa")
+    with caplog.at_level(logging.WARNING, logger="specplug.common.formats"):
+        summary = convert(tmp_path / "e", tmp_path / "s", "speculators", target_config=tiny_llama_path)
+        load_head(tmp_path / "m", tiny_llama_path)
+    assert "differs from target dtype" not in caplog.text
+    verifier = json.loads((tmp_path / "s" / "config.json").read_text())["speculators_config"]["verifier"]
+    assert verifier["name_or_path"] == str(tiny_llama_path) and summary["dropped"] == []
+    with pytest.raises(CheckpointError, match="eagle_aux_hidden_state_layer_ids"):
+        save_head(Eagle3Head(Eagle3Config.for_target(target, aux_layer_ids=(1, 2, 4))), tmp_path / "bad", "eagle3")
+        load_head(tmp_path / "bad", tiny_llama_path)
