@@ -230,6 +230,7 @@ def test_norm_before_residual_changes_the_output():
     a, b = make_head(), make_head(norm_before_residual=True)
     args = (torch.tensor([[1, 2]]), torch.randn(1, 2, 32) * 3, torch.arange(2)[None], causal(2))
     assert not torch.allclose(a(*args).hidden, b(*args).hidden)
+    assert b.config.to_dict()["norm_before_residual"] is True  # top level: where vLLM reads it
     assert Eagle3Config.from_dict(b.config.to_dict()).norm_before_residual
 
 

@@ -57,7 +57,7 @@ def _get(cfg: Any, key: str, default: Any = None) -> Any:
 
 # Keys of the canonical config.json that Eagle3Config models; all others go to `extra`.
 _FIXED_KEYS = {"architectures", "model_type", "num_hidden_layers", "eagle_config",
-               "tie_word_embeddings", "specplug", "rope_parameters"}
+               "tie_word_embeddings", "specplug", "rope_parameters", "norm_before_residual"}
 
 
 @dataclass(frozen=True)
@@ -175,7 +175,7 @@ class Eagle3Config:
             aux_layer_ids=eagle.get("eagle_aux_hidden_state_layer_ids",
                                     config.get("eagle_aux_hidden_state_layer_ids")),
             attention_bias=config.get("attention_bias", False),
-            norm_before_residual=bool(eagle.get("norm_before_residual", config.get("norm_before_residual", False))),
+            norm_before_residual=bool(config.get("norm_before_residual", eagle.get("norm_before_residual", False))),
             hidden_act=config.get("hidden_act", "silu"),
             specplug=config.get("specplug"),
             extra={k: v for k, v in config.items()
@@ -198,8 +198,7 @@ class Eagle3Config:
             max_position_embeddings=self.max_position_embeddings, attention_bias=self.attention_bias,
             hidden_act=self.hidden_act, tie_word_embeddings=False, eagle_config=eagle_config,
         )
-        if self.norm_before_residual:
-            eagle_config["norm_before_residual"] = True
+        out["norm_before_residual"] = self.norm_before_residual  # top level: where vLLM reads it
         if self.specplug is not None:
             out["specplug"] = self.specplug
         return out
