@@ -1,5 +1,29 @@
-"""SGLang adapter: Medusa heads with tree verification (entry point `sglang.srt.plugins`)."""
+"""SGLang adapter: Medusa heads with tree verification (entry point `sglang.srt.plugins`).
+
+`register()` runs in every SGLang process (SGLang's load_plugins()). It
+- installs tree verification for the torch_native attention backend (tree_attention.py),
+- registers the speculative algorithm "MEDUSA" (spec.py; worker in worker.py).
+SGLang is imported only inside register(), so `import specplug` works without it.
+"""
+
+import logging
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED_SGLANG = "0.5.23"
 
 
 def register() -> None:
     """Entry point run by SGLang's load_plugins() in every process; imports SGLang lazily."""
+    from importlib.metadata import version
+
+    from specplug.sglang_medusa import spec, tree_attention
+
+    installed = version("sglang")
+    if installed != SUPPORTED_SGLANG:
+        logger.warning("specplug's SGLang plugin is built for sglang==%s, found %s: internal APIs "
+                       "may differ", SUPPORTED_SGLANG, installed)
+    tree_attention.install()
+    spec.register_medusa()
+    logger.info("specplug: registered speculative algorithm MEDUSA and torch_native tree verification "
+                "(AROUND hook on %s)", tree_attention.TARGET)

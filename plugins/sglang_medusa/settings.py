@@ -1,0 +1,155 @@
+"""MEDUSA settings: SGLang server arguments (+ the heads' specplug section) -> MedusaSettings.
+
+Server arguments read (everything else keeps SGLang's meaning):
+
+  --speculative-draft-model-path DIR   Medusa heads (FasterDecoding or vLLM format). Required.
+  --speculative-num-draft-tokens N     tree nodes INCLUDING the root (node budget N - 1).
+  --speculative-num-steps D            maximum tree depth (at most the number of heads).
+  --speculative-eagle-topk K           candidates per head (1 = a chain of top-1 tokens).
+  --speculative-accept-threshold-single EPS  with a value < 1: typical acceptance (LOSSY)
+  --speculative-accept-threshold-acc DELTA   with epsilon EPS / delta DELTA (Medusa-2).
+  --disable-overlap-schedule           set for you: the worker runs synchronously.
+
+Unset tree arguments come from the heads' config.json `specplug` section ("tree",
+"verification", "head_accuracies"), then from TreeConfig's defaults. The tree SHAPE is
+chosen by the environment variable SPECPLUG_MEDUSA_TREE (read in every SGLang process):
+"optimal" (default: Medusa's optimal sparse tree for the heads' measured accuracies,
+within the node budget), "chain", or explicit Medusa choices as JSON (`[[0], [1], [0, 0]]`)
+or a path to a JSON file holding them.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from specplug.common.sampling import TYPICAL_DELTA, TYPICAL_EPSILON
+from specplug.common.tree import TreeConfig
+
+logger = logging.getLogger(__name__)
+
+TREE_ENV = "SPECPLUG_MEDUSA_TREE"
+TREE_SHAPES = ("optimal", "chain")
+
+
+@dataclass(frozen=True)
+class MedusaSettings:
+    """Everything the MEDUSA worker needs besides the heads' weights.
+
+    tree: depth / topk / budget (budget = draft nodes, root excluded).
+    choices: an explicit static tree (Medusa top-k index paths) or None.
+    verification: "lossless" (greedy at T=0, target-only tree rejection sampling at
+        T>0: the output distribution is exactly the target's) or "typical" (LOSSY).
+    """
+
+    heads_path: str
+    tree: TreeConfig = TreeConfig()
+    choices: tuple[tuple[int, ...], ...] | None = None
+    verification: str = "lossless"
+    typical_epsilon: float = TYPICAL_EPSILON
+    typical_delta: float = TYPICAL_DELTA
+    head_accuracies: tuple[tuple[float, ...], ...] | None = None
+
+    @property
+    def num_nodes(self) -> int:
+        """Tree nodes including the root: SGLang's speculative_num_draft_tokens. Matches
+        MedusaDrafter's template (optimal_sparse caps the budget at the full tree)."""
+        if self.choices is not None:
+            return len(self.choices) + 1
+        if self.tree.topk == 1:
+            return self.tree.depth + 1
+        full = sum(self.tree.topk ** d for d in range(1, self.tree.depth + 1))
+        return min(self.tree.budget, full) + 1
+
+    @property
+    def method(self) -> str:
+        """specplug.common.sampling.verify's method for sampled (T > 0) requests."""
+        return "typical" if self.verification == "typical" else "rejection"
+
+
+def _fail(arg: str, expected: str, given, fix: str) -> None:
+    raise ValueError(f"MEDUSA: {arg} must be {expected}, got {given!r}: {fix}")
+
+
+def read_head_section(heads_path: str) -> tuple[int, dict]:
+    """(number of Medusa heads, the `specplug` section or {}) from DIR/config.json."""
+    config_file = Path(heads_path) / "config.json"
+    if not config_file.is_file():
+        _fail("--speculative-draft-model-path", "a directory with Medusa heads (config.json + "
+              "safetensors)", heads_path, "train heads with `specplug train` or convert them "
+              "with `specplug convert`")
+    config = json.loads(config_file.read_text())
+    heads = config.get("medusa_num_heads", config.get("num_heads"))
+    if not isinstance(heads, int) or heads < 1:
+        _fail(f"medusa_num_heads in {config_file}", "an int >= 1", heads,
+              "this is not a Medusa head checkpoint; point --speculative-draft-model-path at one")
+    return heads, config.get("specplug") or {}
+
+
+def parse_choices(text: str) -> tuple[tuple[int, ...], ...]:
+    """Explicit Medusa choices from inline JSON or a JSON file."""
+    source = Path(text).read_text() if Path(text).is_file() else text
+    try:
+        choices = json.loads(source)
+    except json.JSONDecodeError:
+        choices = None
+    if not isinstance(choices, list) or not all(isinstance(c, list) and c for c in choices):
+        _fail(TREE_ENV, f"one of {TREE_SHAPES}, JSON Medusa choices like [[0], [1], [0, 0]], or a "
+              "JSON file with them", text, "fix the environment variable")
+    return tuple(tuple(int(i) for i in c) for c in choices)
+
+
+def _tree_config(cfg, section: dict, num_heads: int, shape: str) -> TreeConfig:
+    base = TreeConfig.from_dict(section["tree"]) if "tree" in section else TreeConfig()
+    depth = cfg.speculative_num_steps or min(base.depth, num_heads)
+    topk = 1 if shape == "chain" else (cfg.speculative_eagle_topk or base.topk)
+    budget = (cfg.speculative_num_draft_tokens - 1) if cfg.speculative_num_draft_tokens else base.budget
+    if shape == "chain":
+        budget = depth
+    for arg, value in (("--speculative-num-steps", depth), ("--speculative-eagle-topk", topk),
+                       ("--speculative-num-draft-tokens minus one", budget)):
+        if not isinstance(value, int) or value < 1:
+            _fail(arg, "an int >= 1", value, "pass a positive value or leave it unset")
+    if depth > num_heads:
+        _fail("--speculative-num-steps", f"at most the number of Medusa heads ({num_heads})", depth,
+              f"pass --speculative-num-steps {num_heads} or fewer, or train more heads")
+    return TreeConfig(depth=depth, topk=topk, budget=budget)
+
+
+def _verification(cfg, section: dict) -> tuple[str, float, float]:
+    eps, delta = cfg.speculative_accept_threshold_single, cfg.speculative_accept_threshold_acc
+    for arg, value in (("--speculative-accept-threshold-single", eps),
+                       ("--speculative-accept-threshold-acc", delta)):
+        if not 0.0 < value <= 1.0:
+            _fail(arg, "in (0, 1] (1 = off)", value, "pass a typical-acceptance threshold in (0, 1)")
+    verification = section.get("verification", "lossless")
+    if verification not in ("lossless", "typical"):
+        _fail("specplug.verification in the heads' config.json", '"lossless" or "typical"', verification,
+              "fix the heads' config.json")
+    if eps < 1.0 or delta < 1.0:
+        verification = "typical"
+    return (verification, eps if eps < 1.0 else TYPICAL_EPSILON, delta if delta < 1.0 else TYPICAL_DELTA)
+
+
+def settings_from_server_args(cfg) -> MedusaSettings:
+    """Parse and check the arguments above; ValueError names the argument and the fix."""
+    if not cfg.speculative_draft_model_path:
+        _fail("--speculative-draft-model-path", "the Medusa heads directory", None,
+              "pass --speculative-draft-model-path MEDUSA_HEADS_DIR")
+    num_heads, section = read_head_section(cfg.speculative_draft_model_path)
+    shape = os.environ.get(TREE_ENV, "optimal").strip() or "optimal"
+    choices = None if shape in TREE_SHAPES else parse_choices(shape)
+    if choices is not None and max(len(c) for c in choices) > num_heads:
+        _fail(TREE_ENV, f"choices no deeper than the number of heads ({num_heads})",
+              max(len(c) for c in choices), "drop the deeper paths")
+    verification, eps, delta = _verification(cfg, section)
+    accuracies = section.get("head_accuracies")
+    return MedusaSettings(
+        heads_path=str(cfg.speculative_draft_model_path),
+        tree=_tree_config(cfg, section, num_heads, "chain" if shape == "chain" else "optimal"),
+        choices=choices, verification=verification, typical_epsilon=eps, typical_delta=delta,
+        head_accuracies=None if accuracies is None else tuple(tuple(map(float, r)) for r in accuracies),
+    )

@@ -1,0 +1,160 @@
+"""The MEDUSA algorithm as SGLang sees it: registration, scheduler answers, argument checks.
+
+`register_medusa()` calls `SpeculativeAlgorithm.register("MEDUSA", ...)` with
+`MedusaSpecAlgo`, a `CustomSpecAlgo` that also answers the questions SGLang 0.5.23's
+scheduler asks every algorithm (`carries_draft_hidden_states`, `create_future_map`,
+`need_topk`, ...). MEDUSA has no draft model and no draft KV: the heads read the
+target's last hidden state, and the tree lives only in the verify pass's mask.
+"""
+
+from __future__ import annotations
+
+import logging
+
+logger = logging.getLogger(__name__)
+
+NAME = "MEDUSA"
+
+
+def validate_server_args(server_args) -> None:
+    """Reject bad MEDUSA arguments before any model loads (runs in the launching process)."""
+    from sglang.srt.arg_groups.overrides import resolving_view
+
+    from specplug.sglang_medusa.settings import settings_from_server_args
+
+    cfg = resolving_view(server_args)
+    settings = settings_from_server_args(cfg)
+    _check_backend(cfg)
+    _check_heads_against_target(settings.heads_path, cfg.model_path)
+    logger.info("MEDUSA: heads %s, tree %s, %d nodes, %s verification", settings.heads_path,
+                settings.choices or settings.tree, settings.num_nodes, settings.verification)
+
+
+def _check_backend(cfg) -> None:
+    if cfg.device == "cpu" and (cfg.attention_backend or "torch_native") != "torch_native":
+        raise ValueError(
+            f"MEDUSA on CPU verifies trees with the torch_native attention backend, got "
+            f"--attention-backend {cfg.attention_backend}: pass --attention-backend torch_native")
+    if cfg.enable_dp_attention or (cfg.pp_size or 1) > 1:
+        raise ValueError("MEDUSA does not support data-parallel attention or pipeline parallelism: "
+                         "drop --enable-dp-attention / --pp-size")
+
+
+def _check_heads_against_target(heads_path: str, model_path: str) -> None:
+    """Shapes, dtypes and vocab of the heads against the target's config.json (formats.py)."""
+    from pathlib import Path
+
+    from specplug.common import formats
+
+    if model_path and (Path(model_path) / "config.json").is_file():
+        formats.load_head(heads_path, target_config=model_path)
+
+
+def handle_server_args(server_args) -> None:
+    """Fill the arguments MEDUSA decides: node count from the tree, synchronous schedule."""
+    from sglang.srt.arg_groups.overrides import resolving_view
+
+    from specplug.sglang_medusa.settings import settings_from_server_args
+
+    cfg = resolving_view(server_args)
+    settings = settings_from_server_args(cfg)
+    server_args.speculative_num_draft_tokens = settings.num_nodes
+    server_args.speculative_num_steps = settings.tree.depth
+    server_args.speculative_eagle_topk = settings.tree.topk
+    server_args.disable_overlap_schedule = True
+    server_args.enable_mixed_chunk = False
+    if cfg.max_running_requests is None:
+        server_args.max_running_requests = 48
+
+
+def _worker_factory(server_args):
+    from specplug.sglang_medusa.worker import MedusaWorker
+
+    return MedusaWorker
+
+
+def _spec_class():
+    """Build the CustomSpecAlgo subclass (SGLang is imported lazily, inside register())."""
+    from sglang.srt.speculative.spec_registry import CustomSpecAlgo
+
+    class MedusaSpecAlgo(CustomSpecAlgo):
+        """Answers for the scheduler: no draft model, no draft KV, no hidden-state
+        transfer, no top-k draft chains; the future map is SGLang's default."""
+
+        def has_draft_kv(self) -> bool:
+            return False
+
+        def carries_draft_hidden_states(self) -> bool:
+            return False
+
+        def need_topk(self) -> bool:
+            return False
+
+        def supports_mixed_chunk(self) -> bool:
+            return False
+
+        def handle_server_args(self, server_args) -> None:
+            handle_server_args(server_args)
+
+        def create_future_map(self, device, req_to_token_pool, needs_cpu_seq_lens=True,
+                              needs_confidence_relay=False):
+            from sglang.srt.managers.overlap_utils import FutureMap
+
+            return FutureMap(device, self, req_to_token_pool, needs_cpu_seq_lens, needs_confidence_relay)
+
+    return MedusaSpecAlgo
+
+
+ALIAS_TARGET = "sglang.srt.arg_groups.speculative_hook._resolve_speculative_algorithm_alias"
+CONFIG_TARGET = "sglang.srt.utils.hf_transformers.config.get_config"
+
+
+def _medusa_heads_config(path) -> dict | None:
+    """The config.json of a Medusa heads folder (FasterDecoding: no model_type), else None."""
+    import json
+    from pathlib import Path
+
+    config_file = Path(str(path)) / "config.json"
+    if not config_file.is_file():
+        return None
+    config = json.loads(config_file.read_text())
+    return config if "medusa_num_heads" in config and "model_type" not in config else None
+
+
+def _config_for_medusa_heads(original, model, *args, **kwargs):
+    """AROUND hook on SGLang's get_config: SGLang reads --speculative-draft-model-path as a
+    transformers config in several places (algorithm aliases, collective defaults).
+    FasterDecoding Medusa configs have no model_type, so AutoConfig rejects them; answer
+    with a plain PretrainedConfig (architectures ["MedusaHeads"]) for exactly those folders."""
+    config = _medusa_heads_config(model)
+    if config is None:
+        return original(model, *args, **kwargs)
+    from transformers import PretrainedConfig
+
+    fields = {k: v for k, v in config.items() if k not in ("specplug", "architectures")}
+    return PretrainedConfig(architectures=["MedusaHeads"], **fields)
+
+
+def _skip_draft_config_for_medusa(original, speculative_algorithm, *args, **kwargs):
+    """AROUND hook: SGLang parses --speculative-draft-model-path with transformers'
+    AutoConfig to spot Gemma-4 drafts; Medusa heads' config.json has no model_type, so
+    for MEDUSA the name is returned as is (there is nothing to alias)."""
+    if (speculative_algorithm or "").upper() == NAME:
+        return speculative_algorithm
+    return original(speculative_algorithm, *args, **kwargs)
+
+
+def register_medusa() -> None:
+    """SpeculativeAlgorithm.register("MEDUSA", ...); a second call in one process is a no-op."""
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+    from sglang.srt.speculative.spec_registry import get_spec
+
+    if get_spec(NAME) is not None:
+        return
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    HookRegistry.register(ALIAS_TARGET, _skip_draft_config_for_medusa, HookType.AROUND)
+    HookRegistry.register(CONFIG_TARGET, _config_for_medusa_heads, HookType.AROUND)
+    SpeculativeAlgorithm.register(
+        NAME, supports_overlap=False, validate_server_args=validate_server_args, spec_class=_spec_class(),
+    )(_worker_factory)

@@ -1,0 +1,275 @@
+"""The MEDUSA speculative worker for SGLang 0.5.23 (synchronous V2 scheduler schema).
+
+One decode step for a batch of B requests, N tree nodes each (node 0 = the root, the
+last committed token, whose KV is not yet in the cache):
+
+1. draft: MedusaDrafter turns each request's last target hidden state into a static
+   candidate tree (specplug.common.tree): candidates [B, N], one shared topology.
+2. verify: ONE TARGET_VERIFY forward of the B*N nodes at positions seq_len + depth,
+   each node attending to the prefix and its ancestors (tree mask; on CPU through
+   specplug.sglang_medusa.tree_attention). It returns logits [B*N, V] and, because the
+   batch captures FULL hidden states, the hidden state of every node.
+3. accept: specplug.common.sampling.verify, greedy for all-greedy batches, else the
+   lossless target-only tree rule (or typical acceptance, LOSSY, when configured).
+4. commit: SGLang moves the accepted path's KV to the front of the verify window
+   (move_accept_tokens_to_target_kvcache) and frees the rest; the drafter keeps the
+   hidden state of the last accepted node for the next step.
+
+Prefill (extend) batches run the plain target forward capturing the LAST hidden state.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from specplug.common import sampling
+from specplug.common.drafters import MedusaDrafter
+from specplug.common.tree import DraftTree, TreeBatch
+from specplug.sglang_medusa.settings import MedusaSettings, settings_from_server_args
+
+logger = logging.getLogger(__name__)
+
+try:  # SGLang is present whenever this module is imported by the worker factory
+    from sglang.kernels.ops.speculative.cache_locs import assign_extend_cache_locs_func
+    from sglang.srt.arg_groups.overrides import resolving_view
+    from sglang.srt.managers.utils import GenerationBatchResult
+    from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardMode
+    from sglang.srt.speculative.base_spec_worker import BaseSpecWorker
+    from sglang.srt.speculative.ngram_info import NgramVerifyInput
+    from sglang.srt.speculative.spec_utils import move_accept_tokens_to_target_kvcache
+except ImportError as exc:  # pragma: no cover - import-time guard for engine-free installs
+    raise ImportError("specplug.sglang_medusa.worker needs SGLang 0.5.23: pip install 'specplug[sglang]'") from exc
+
+
+class AcceptanceStats:
+    """Per-position acceptance: accepted[j] counts verify steps that accepted >= j + 1
+    draft tokens; steps counts verify steps per request. tau = 1 + sum(accepted) / steps."""
+
+    def __init__(self, depth: int):
+        self.accepted = torch.zeros(depth, dtype=torch.long)
+        self.steps = 0
+
+    def update(self, num_accepted: torch.Tensor) -> None:
+        """num_accepted [B] draft tokens accepted this step."""
+        positions = torch.arange(self.accepted.numel())
+        self.accepted += (num_accepted.cpu()[:, None] > positions[None, :]).sum(0)
+        self.steps += num_accepted.numel()
+
+    def per_position(self) -> list[float]:
+        return (self.accepted.double() / max(self.steps, 1)).tolist()
+
+    @property
+    def tau(self) -> float:
+        return 1.0 + float(self.accepted.sum()) / max(self.steps, 1)
+
+
+class MedusaWorker(BaseSpecWorker):
+    """Built by SGLang's scheduler as `MedusaWorker(server_args=, gpu_id=, nccl_port=,
+    target_worker=)`; drives the target worker, owns no model runner of its own."""
+
+    def __init__(self, server_args, gpu_id: int, nccl_port: int, target_worker):
+        super().__init__()
+        self.server_args = server_args
+        self._target_worker = target_worker
+        self._draft_worker = None
+        self.model_runner = target_worker.model_runner
+        self.device = self.model_runner.device
+        cfg = resolving_view(server_args)  # server_args plus what resolution declared
+        self.settings: MedusaSettings = settings_from_server_args(cfg)
+        self.drafter = MedusaDrafter(self._load_heads(), choices=self.settings.choices,
+                                     head_accuracies=self.settings.head_accuracies)
+        self.template: DraftTree = self.drafter.template(self.settings.tree)
+        self.num_nodes = self.template.num_nodes
+        if self.num_nodes != cfg.speculative_num_draft_tokens:
+            raise ValueError(
+                f"MEDUSA tree has {self.num_nodes} nodes but speculative_num_draft_tokens is "
+                f"{cfg.speculative_num_draft_tokens}: leave --speculative-num-draft-tokens "
+                "unset or give the tree's node count")
+        self.stats = AcceptanceStats(self.template.max_depth)
+        self.generator = torch.Generator(device="cpu").manual_seed(int(server_args.random_seed or 0))
+        self._layout = self._tree_layout()
+        logger.info("MEDUSA worker: %d heads, %d-node tree (depth %d), %s verification", self.drafter.heads.num_heads,
+                    self.num_nodes, self.template.max_depth, self.settings.verification)
+
+    # ------------------------------------------------------------------ set-up
+
+    def _load_heads(self):
+        from specplug.common.formats import load_head_module
+
+        dtype = self.model_runner.model_config.dtype
+        return load_head_module(self.settings.heads_path, target_config=self.server_args.model_path,
+                                device=self.device, dtype=dtype).eval()
+
+    def _tree_layout(self) -> dict[str, torch.Tensor]:
+        """The static tree's mask, depths and SGLang retrieve links (one request)."""
+        _, next_token, next_sibling = self.template.sglang_layout()
+        return {"mask": self.template.attention_mask().to(self.device),  # Bool [N, N]
+                "depth": self.template.depth.to(self.device),  # Long [N]
+                "next_token": next_token.to(self.device), "next_sibling": next_sibling.to(self.device)}
+
+    @property
+    def draft_worker(self):
+        return None
+
+    def clear_cache_pool(self):
+        self.drafter.release(list(self.drafter.hidden))
+
+    def note_request_finished(self, *, rid: str, natural_stop: bool) -> None:
+        self.drafter.release([rid])
+
+    # ------------------------------------------------------------------ one scheduler step
+
+    @torch.no_grad()
+    def forward_batch_generation(self, batch, on_publish=None, pp_proxy_tensors=None):
+        if batch.forward_mode.is_decode():
+            return self._decode_step(batch, on_publish, pp_proxy_tensors)
+        return self._extend_step(batch, on_publish, pp_proxy_tensors)
+
+    def _extend_step(self, batch, on_publish, pp_proxy_tensors):
+        """Plain target forward (prefill / idle); remember each request's last hidden state."""
+        result = self.target_worker.forward_batch_generation(
+            batch, pp_proxy_tensors=pp_proxy_tensors, capture_hidden_mode=CaptureHiddenMode.LAST)
+        bs = len(batch.reqs)
+        hidden = result.logits_output.hidden_states if bs else None  # [B, H]
+        if bs and hidden is not None:
+            rids = [req.rid for req in batch.reqs]
+            self.drafter.prefill(rids, [None] * bs, hidden[:, None], result.next_token_ids)
+            result.logits_output.hidden_states = None
+        accept_tokens = torch.zeros(bs, self.num_nodes, dtype=torch.int32, device=self.device)
+        if bs:
+            accept_tokens[:, 0] = result.next_token_ids
+        accept_lens = torch.ones(bs, dtype=torch.int32, device=self.device)
+        new_seq_lens = batch.seq_lens.clone()
+        if on_publish is not None:
+            on_publish(new_seq_lens)
+        return self._result(result, result.next_token_ids, accept_tokens.flatten(), accept_lens, new_seq_lens)
+
+    def _decode_step(self, batch, on_publish, pp_proxy_tensors):
+        if batch.has_grammar:
+            raise NotImplementedError("MEDUSA does not support structured output (grammar) requests yet")
+        tree = self._draft(batch)
+        self._prepare_verify(batch, tree)
+        result = self.target_worker.forward_batch_generation(
+            batch, pp_proxy_tensors=pp_proxy_tensors, is_verify=True, capture_hidden_mode=CaptureHiddenMode.FULL)
+        logits_output = result.logits_output
+        verdict = self._accept(batch, tree, logits_output.next_token_logits)
+        accept_index, predict, accept_tokens = self._sglang_outputs(tree, verdict)
+        accept_lens = (verdict.num_accepted + 1).to(torch.int32)
+        move_accept_tokens_to_target_kvcache(batch, accept_index, verdict.num_accepted.to(torch.int32),
+                                             self.token_to_kv_pool_allocator)
+        if batch.return_logprob:
+            from sglang.srt.layers.logprob_processor import compute_spec_logprobs
+
+            compute_spec_logprobs(batch, logits_output, predict, accept_index=accept_index)
+        self._commit(batch, tree, verdict, logits_output.hidden_states)
+        logits_output.hidden_states = None
+        new_seq_lens = batch.seq_lens + accept_lens
+        if on_publish is not None:
+            on_publish(new_seq_lens)
+        batch.forward_mode = ForwardMode.DECODE
+        return self._result(result, accept_tokens.flatten(), accept_tokens.flatten(), accept_lens, new_seq_lens)
+
+    def _result(self, target_result, next_token_ids, accept_tokens, accept_lens, new_seq_lens):
+        next_draft_input = NgramVerifyInput(draft_token_num=self.num_nodes, new_seq_lens=new_seq_lens,
+                                            accept_tokens=accept_tokens, accept_lens=accept_lens)
+        return GenerationBatchResult(
+            logits_output=target_result.logits_output, next_token_ids=next_token_ids,
+            can_run_cuda_graph=target_result.can_run_cuda_graph, accept_lens=accept_lens,
+            new_seq_lens=new_seq_lens, next_draft_input=next_draft_input,
+            speculative_num_draft_tokens=self.num_nodes)
+
+    # ------------------------------------------------------------------ the four phases
+
+    def _draft(self, batch) -> TreeBatch:
+        """Candidates [B, N] from the heads; the root is the request's last committed token."""
+        rids = [req.rid for req in batch.reqs]
+        tree = self.drafter.draft(rids, self.settings.tree)
+        roots = torch.tensor([req.output_ids[-1] for req in batch.reqs], dtype=torch.long)
+        tree.candidates[:, 0] = roots.to(tree.candidates.device)
+        return TreeBatch(tree.candidates.to(self.device), tree.parents.to(self.device), tree.num_nodes)
+
+    def _prepare_verify(self, batch, tree: TreeBatch) -> None:
+        """Turn the decode batch into a TARGET_VERIFY batch over the B*N tree nodes."""
+        bs, n = tree.candidates.shape
+        seq_lens = batch.seq_lens
+        positions = (seq_lens[:, None].long() + self._layout["depth"][None, :]).flatten()  # [B*N]
+        retrieve_index = torch.arange(bs * n, device=self.device).view(bs, n)
+        batch.forward_mode = ForwardMode.TARGET_VERIFY
+        batch.input_ids = tree.candidates.flatten()
+        batch.out_cache_loc = assign_extend_cache_locs_func(
+            req_pool_indices=batch.req_pool_indices, req_to_token=batch.req_to_token_pool.req_to_token,
+            start_offset=seq_lens, end_offset=seq_lens + n, batch_size=bs, draft_token_num=n,
+            device=self.device)
+        batch.spec_info = NgramVerifyInput(
+            draft_token=batch.input_ids, custom_mask=self._layout["mask"].flatten().repeat(bs),
+            positions=positions, retrieve_index=retrieve_index,
+            retrieve_next_token=self._layout["next_token"].expand(bs, n).contiguous(),
+            retrieve_next_sibling=self._layout["next_sibling"].expand(bs, n).contiguous(),
+            draft_token_num=n)
+
+    def _accept(self, batch, tree: TreeBatch, logits: torch.Tensor) -> sampling.VerifyResult:
+        """specplug.common.sampling.verify on the target's logits [B*N, V]."""
+        bs, n = tree.candidates.shape
+        info = batch.sampling_info
+        logits = _apply_penalties(logits, info, n)
+        if info.is_all_greedy:
+            verdict = sampling.verify(tree.candidates, tree.parents, logits.view(bs, n, -1), method="greedy")
+        else:
+            p = sampling.process_logits(
+                logits, temperature=info.temperatures.view(-1).repeat_interleave(n),
+                top_k=info.top_ks.view(-1).repeat_interleave(n), top_p=info.top_ps.view(-1).repeat_interleave(n))
+            verdict = sampling.verify(
+                tree.candidates, tree.parents, p.view(bs, n, -1), method=self.settings.method,
+                generators=[self.generator] * bs, typical_epsilon=self.settings.typical_epsilon,
+                typical_delta=self.settings.typical_delta)
+        self.stats.update(verdict.num_accepted)
+        return verdict
+
+    def _sglang_outputs(self, tree: TreeBatch, verdict: sampling.VerifyResult):
+        """(accept_index Int [B, N] flat node rows -1 padded, predict Int [B*N] the token
+        emitted after each accepted node, accept_tokens Int [B, N] the emitted tokens)."""
+        bs, n = tree.candidates.shape
+        path = verdict.accepted_nodes.to(self.device)  # [B, D+1], -1 padded
+        width = path.shape[1]
+        on_path = path >= 0
+        rows = torch.arange(bs, device=self.device)[:, None] * n
+        accept_index = torch.full((bs, n), -1, dtype=torch.int32, device=self.device)
+        accept_index[:, :width] = torch.where(on_path, rows + path, -1).to(torch.int32)
+        # token after path[j] is the token AT path[j + 1]; after the last accepted, the bonus
+        following = torch.gather(tree.candidates, 1, path[:, 1:].clamp(min=0))  # [B, D]
+        emitted = torch.cat([following, torch.zeros_like(following[:, :1])], 1)
+        last = verdict.num_accepted.to(self.device).long()
+        emitted[torch.arange(bs, device=self.device), last] = verdict.bonus_token.to(self.device)
+        emitted = torch.where(on_path, emitted, 0)
+        accept_tokens = torch.zeros(bs, n, dtype=torch.int32, device=self.device)
+        accept_tokens[:, :width] = emitted.to(torch.int32)
+        predict = torch.zeros(bs * n, dtype=torch.int32, device=self.device)
+        kept = accept_index >= 0
+        predict[accept_index[kept].long()] = accept_tokens[kept]
+        return accept_index, predict, accept_tokens
+
+    def _commit(self, batch, tree: TreeBatch, verdict: sampling.VerifyResult, hidden: torch.Tensor) -> None:
+        """Keep the hidden state of each request's last accepted node ([B*N, H] -> [B, H])."""
+        bs, n = tree.candidates.shape
+        last_node = verdict.accepted_nodes.gather(1, verdict.num_accepted.long()[:, None])[:, 0]
+        rows = torch.arange(bs, device=hidden.device) * n + last_node.to(hidden.device)
+        accepted_tokens = [tree.candidates[b, verdict.accepted_nodes[b, 1:int(verdict.num_accepted[b]) + 1]]
+                           for b in range(bs)]
+        self.drafter.commit([req.rid for req in batch.reqs], accepted_tokens, hidden[rows][:, None],
+                            verdict.bonus_token)
+
+
+def _apply_penalties(logits: torch.Tensor, info, n: int) -> torch.Tensor:
+    """SGLang's per-request penalties and logit bias, repeated over each request's N nodes."""
+    if info.acc_additive_penalties is not None:
+        logits = logits + info.acc_additive_penalties.repeat_interleave(n, dim=0)
+    if info.acc_scaling_penalties is not None:
+        from sglang.srt.sampling.penaltylib.repetition_penalty import apply_scaling_penalties
+
+        logits = logits.clone()
+        apply_scaling_penalties(logits, info.acc_scaling_penalties.repeat_interleave(n, dim=0))
+    if info.logit_bias is not None:
+        logits = logits + info.logit_bias.repeat_interleave(n, dim=0)
+    return logits
