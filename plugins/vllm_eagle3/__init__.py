@@ -1,5 +1,96 @@
-"""vLLM adapter: EAGLE-3 with dynamic draft trees (entry point `vllm.general_plugins`)."""
+"""vLLM adapter: EAGLE-3 with dynamic draft trees (entry point `vllm.general_plugins`).
+
+`register()` runs in every vLLM process. It replaces the V1 model runner's
+`EagleProposer` with `SpecplugEagleProposer`, which behaves exactly like vLLM's for heads
+without a `specplug` section in config.json and drafts specplug trees for heads with
+one. Model Runner V2 (the GPU default) is refused for specplug heads with a clear error.
+"""
+
+from __future__ import annotations
+
+import logging
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED_VLLM_VERSIONS = ("0.32.0",)
+_registered = False
+
+
+def check_vllm_version(version: str) -> None:
+    """Raise RuntimeError unless `version` is one specplug's vLLM adapter was tested with."""
+    base = version.split("+")[0]
+    if base not in SUPPORTED_VLLM_VERSIONS:
+        raise RuntimeError(
+            f"specplug's vLLM adapter supports vLLM {', '.join(SUPPORTED_VLLM_VERSIONS)}, found {version}: "
+            "install a supported version (pip install 'specplug[vllm]'), or skip the plugin with "
+            "VLLM_PLUGINS set to the other plugins you use"
+        )
 
 
 def register() -> None:
     """Entry point run by vLLM in every process; imports vLLM lazily."""
+    global _registered
+    if _registered:
+        return
+    import vllm
+
+    check_vllm_version(vllm.__version__)
+    _log_like_vllm()
+    from vllm.v1.worker import gpu_model_runner
+
+    from specplug.vllm_eagle3.proposer import make_proposer_class
+
+    original = gpu_model_runner.EagleProposer
+    gpu_model_runner.EagleProposer = make_proposer_class(original)
+    _refuse_model_runner_v2()
+    _registered = True
+    logger.info(
+        "specplug %s registered: vllm.v1.worker.gpu_model_runner.EagleProposer replaced by "
+        "SpecplugEagleProposer (specplug trees for heads whose config.json has a 'specplug' "
+        "section; vLLM's own EAGLE path otherwise)", _version(),
+    )
+
+
+def _refuse_model_runner_v2() -> None:
+    """Model Runner V2 builds its own speculator; make it refuse specplug heads clearly."""
+    try:
+        from vllm.v1.worker.gpu.spec_decode.eagle import speculator
+    except ImportError:  # no Triton (CPU builds): V2 cannot run here at all
+        return
+    from specplug.vllm_eagle3.settings import specplug_section
+
+    base = speculator.EagleSpeculator
+
+    class EagleSpeculator(base):
+        def __init__(self, vllm_config, *args, **kwargs):
+            spec = vllm_config.speculative_config
+            if specplug_section(spec.draft_model_config.hf_config) is not None:
+                raise RuntimeError(
+                    "specplug EAGLE-3 heads need vLLM's V1 model runner: start vLLM with "
+                    "VLLM_USE_V2_MODEL_RUNNER=0 (Model Runner V2 has its own speculator)"
+                )
+            super().__init__(vllm_config, *args, **kwargs)
+
+    speculator.EagleSpeculator = EagleSpeculator
+
+
+class _ToVllmLog(logging.Handler):
+    """Hands specplug's records to the "vllm" logger, whose handlers vLLM configures."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        logging.getLogger("vllm").handle(record)
+
+
+def _log_like_vllm() -> None:
+    """Make specplug's INFO lines appear in vLLM's log, formatted like vLLM's own."""
+    ours = logging.getLogger("specplug")
+    if not any(isinstance(h, _ToVllmLog) for h in ours.handlers):
+        ours.addHandler(_ToVllmLog())
+        if ours.level == logging.NOTSET:
+            ours.setLevel(logging.INFO)
+        ours.propagate = False
+
+
+def _version() -> str:
+    from specplug import __version__
+    return __version__

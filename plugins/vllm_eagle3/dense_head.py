@@ -1,0 +1,84 @@
+"""Runs vLLM's loaded EAGLE-3 draft layer in plain torch with a dense key/value cache and
+an arbitrary boolean attention mask (which vLLM's paged draft attention cannot take).
+
+Every sub-module except the attention op is vLLM's own (`Eagle3LlamaForCausalLM` as
+vLLM loaded it: fused qkv, RoPE, norms, MLP, lm_head with d2t), so a chain drafted here
+is the chain vLLM's built-in EAGLE-3 drafts, up to the attention kernel's rounding.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+
+class DraftStep(NamedTuple):
+    logprobs: torch.Tensor  # [T, vocab] draft log-probs of the NEXT token (target vocab; -inf off the draft vocab)
+    hidden: torch.Tensor  # [T, H] pre-norm output: the `hidden` input of a child step
+    key: torch.Tensor  # [T, kv_heads, head_dim] keys of the T inputs (after RoPE)
+    value: torch.Tensor  # [T, kv_heads, head_dim]
+
+
+class DenseEagle3Head:
+    """One EAGLE-3 midlayer step over T inputs with caller-owned dense KV.
+
+    Input at position i pairs token x_{i+1} with hidden h_i (the target's combined aux
+    state for committed positions, the parent's pre-norm output inside a draft tree) and
+    predicts x_{i+2}; RoPE uses position i.
+    """
+
+    def __init__(self, model):
+        layers = model.model.layers
+        if len(layers) != 1:
+            raise ValueError(
+                f"the specplug EAGLE-3 proposer needs a one-layer head (num_hidden_layers=1), "
+                f"got {len(layers)} layers: use vLLM's built-in eagle3 path (drop the specplug section)"
+            )
+        self.model = model
+        self.layer = layers[0]
+        attn = self.layer.self_attn
+        self.num_heads, self.num_kv_heads = attn.num_heads, attn.num_kv_heads
+        self.head_dim, self.scaling = attn.head_dim, attn.scaling
+        self.q_size, self.kv_size = attn.q_size, attn.kv_size
+
+    def combine(self, aux_hidden: torch.Tensor) -> torch.Tensor:
+        """[T, 3*Ht] concatenated target aux states -> [T, H] (the head's fc)."""
+        return self.model.combine_hidden_states(aux_hidden)
+
+    def step(self, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
+             past_key: torch.Tensor, past_value: torch.Tensor, mask: torch.Tensor) -> DraftStep:
+        """tokens [T], hidden [T, H], positions [T]; past_key/value [S, kv_heads, head_dim];
+        mask Bool [T, S + T] (row t may attend to column j). Returns DraftStep for the T rows."""
+        layer = self.layer
+        embeds = layer.input_layernorm(self.model.embed_input_ids(tokens))
+        normed, residual = layer._residual_norm(hidden_states=hidden)
+        x = torch.cat([embeds, normed], dim=-1)  # [T, 2H]
+        qkv, _ = layer.self_attn.qkv_proj(x)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k = layer.self_attn.rotary_emb(positions, q, k)
+        key = k.reshape(-1, self.num_kv_heads, self.head_dim)
+        value = v.reshape(-1, self.num_kv_heads, self.head_dim)
+        attn = self._attend(q, torch.cat([past_key, key]), torch.cat([past_value, value]), mask)
+        out, _ = layer.self_attn.o_proj(attn)
+        out, residual = layer.post_attention_layernorm(out, residual)
+        out = layer.mlp(out)
+        normed_out, prenorm = self.model.model.norm(out, residual)
+        logits = self.model.compute_logits(normed_out).float()  # [T, vocab]
+        return DraftStep(torch.log_softmax(logits, dim=-1), prenorm, key, value)
+
+    def _attend(self, q, keys, values, mask):
+        """q [T, heads*D]; keys/values [S+T, kv_heads, D]; mask [T, S+T] -> [T, heads*D]."""
+        t = q.shape[0]
+        q = q.view(t, self.num_heads, self.head_dim).transpose(0, 1)  # [heads, T, D]
+        groups = self.num_heads // self.num_kv_heads
+        k = keys.transpose(0, 1).repeat_interleave(groups, dim=0)  # [heads, S+T, D]
+        v = values.transpose(0, 1).repeat_interleave(groups, dim=0)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[None], scale=self.scaling)
+        return out.transpose(0, 1).reshape(t, self.num_heads * self.head_dim)
+
+    def empty_kv(self) -> torch.Tensor:
+        """A [0, kv_heads, head_dim] cache tensor in the head's dtype."""
+        weight = self.layer.self_attn.o_proj.weight
+        return weight.new_zeros(0, self.num_kv_heads, self.head_dim)

@@ -1,0 +1,153 @@
+"""The specplug EAGLE-3 proposer for vLLM's V1 model runner.
+
+`SpecplugEagleProposer` replaces vLLM's `EagleProposer` class (see `register()`). With a
+head whose config.json has no `specplug` section every method is vLLM's own. With a
+specplug head, `propose` drafts an EAGLE-2 dynamic tree per request from the target's
+aux hidden states and hands vLLM the tree's best root-to-leaf path as its chain
+(stage A): vLLM's own rejection sampler verifies it, so output is exactly the target's.
+
+Per-request draft state is a dense key/value cache of the head (positions 0..P-1 of the
+committed sequence), kept here keyed by request id and truncated to the first position
+vLLM sends in a step, so rejected tokens and preemption roll back naturally.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from specplug.vllm_eagle3.dense_head import DenseEagle3Head
+from specplug.vllm_eagle3.settings import (
+    AdapterSettings,
+    adapter_settings,
+    check_head_matches_target,
+    specplug_section,
+)
+from specplug.vllm_eagle3.tree_draft import draft_tree
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _DraftCache:
+    """Dense head KV for one request: keys/values [length, kv_heads, head_dim]."""
+
+    key: torch.Tensor
+    value: torch.Tensor
+
+    @property
+    def length(self) -> int:
+        return self.key.shape[0]
+
+    def truncate(self, length: int) -> None:
+        self.key, self.value = self.key[:length], self.value[:length]
+
+    def append(self, key: torch.Tensor, value: torch.Tensor) -> None:
+        self.key, self.value = torch.cat([self.key, key]), torch.cat([self.value, value])
+
+
+def make_proposer_class(eagle_proposer_cls):
+    """Subclass vLLM's EagleProposer (imported lazily by register())."""
+
+    class SpecplugEagleProposer(eagle_proposer_cls):
+        """vLLM's EagleProposer, plus specplug's tree drafting for specplug heads."""
+
+        def __init__(self, vllm_config, device, runner=None):
+            super().__init__(vllm_config, device, runner)
+            self.runner = runner  # request ids and discard mask of the batch being drafted
+            section = None
+            if self.method == "eagle3":
+                section = specplug_section(self.draft_model_config.hf_config)
+            self.specplug: AdapterSettings | None = None
+            if section is None:
+                return
+            target = vllm_config.model_config
+            check_head_matches_target(
+                self.draft_model_config.hf_config, target.hf_text_config,
+                target.get_total_num_hidden_layers(), self.draft_model_config.model,
+            )
+            self.specplug = adapter_settings(section)
+            if self.specplug.depth not in (None, self.num_speculative_tokens):
+                raise ValueError(
+                    f"specplug tree depth {self.specplug.depth} != num_speculative_tokens "
+                    f"{self.num_speculative_tokens}: stage 'chain' verifies one path of exactly "
+                    "num_speculative_tokens tokens; set them equal or drop depth"
+                )
+            self._dense_head: DenseEagle3Head | None = None
+            self._caches: dict[str, _DraftCache] = {}
+            logger.info(
+                "specplug EAGLE-3 proposer active for head %s: dynamic tree topk=%d depth=%d, "
+                "stage %s (vLLM verifies the best path)", self.draft_model_config.model,
+                self.specplug.topk, self.num_speculative_tokens, self.specplug.stage,
+            )
+
+        def propose(self, num_speculative_tokens, target_token_ids, target_positions,
+                    target_hidden_states, next_token_ids, token_indices_to_sample,
+                    common_attn_metadata, sampling_metadata, mm_embed_inputs=None,
+                    num_rejected_tokens_gpu=None, slot_mappings=None):
+            if self.specplug is None:
+                return super().propose(
+                    num_speculative_tokens, target_token_ids, target_positions,
+                    target_hidden_states, next_token_ids, token_indices_to_sample,
+                    common_attn_metadata, sampling_metadata, mm_embed_inputs,
+                    num_rejected_tokens_gpu, slot_mappings,
+                )
+            self._last_draft_probs = None  # deterministic drafting: vLLM's target-only rule
+            if self._dense_head is None:
+                self._dense_head = DenseEagle3Head(self.model)
+            with torch.inference_mode():
+                return self._propose_chains(
+                    num_speculative_tokens, target_token_ids, target_positions,
+                    target_hidden_states, next_token_ids, common_attn_metadata,
+                    num_rejected_tokens_gpu,
+                )
+
+        # -- specplug path ------------------------------------------------------------
+        def _propose_chains(self, depth, token_ids, positions, aux_hidden, next_token_ids,
+                            attn_metadata, num_rejected):
+            """Returns the best tree path per request, [batch, depth] (int)."""
+            batch = attn_metadata.num_reqs
+            req_ids = self.runner.input_batch.req_ids[:batch]
+            self._forget_finished()
+            starts = attn_metadata.query_start_loc_cpu[: batch + 1].tolist()
+            rejected = [0] * batch if num_rejected is None else num_rejected[:batch].tolist()
+            discarded = self.runner.discard_request_mask.cpu[:batch].tolist()
+            hidden = self._dense_head.combine(aux_hidden[: starts[-1]])  # [tokens, H]
+            chains = torch.zeros(batch, depth, dtype=next_token_ids.dtype)
+            for b, req_id in enumerate(req_ids):
+                start, end = starts[b], starts[b + 1] - rejected[b]
+                if end <= start:
+                    continue
+                root = self._catch_up(req_id, token_ids[start:end], positions[start:end],
+                                      hidden[start:end], int(next_token_ids[b]))
+                if discarded[b] or depth == 0:
+                    continue  # partial prefill: vLLM discards this request's drafts
+                tree = draft_tree(self._dense_head, root, self._caches[req_id],
+                                  int(positions[end - 1]) + 1, depth, self.specplug.topk)
+                chains[b] = tree.best_path_tokens(depth)
+            return chains.to(next_token_ids.device)
+
+        def _catch_up(self, req_id, tokens, positions, hidden, next_token):
+            """Run the head over this step's committed inputs; returns the root step (its
+            last row: logprobs of the first draft token, hidden for the children)."""
+            cache = self._caches.get(req_id)
+            if cache is None:
+                empty = self._dense_head.empty_kv()
+                cache = self._caches[req_id] = _DraftCache(empty, empty)
+            first = int(positions[0])
+            cache.truncate(min(first, cache.length))  # roll back rejected or recomputed positions
+            shifted = torch.cat([tokens[1:], tokens.new_tensor([next_token])])  # x_{i+1} for h_i
+            length, past = shifted.shape[0], cache.length
+            mask = torch.ones(length, past + length, dtype=torch.bool).tril(diagonal=past)
+            step = self._dense_head.step(shifted, hidden, positions, cache.key, cache.value, mask)
+            cache.append(step.key, step.value)
+            return step.logprobs[-1], step.hidden[-1], next_token
+
+        def _forget_finished(self):
+            live = self.runner.requests
+            for req_id in [r for r in self._caches if r not in live]:
+                del self._caches[req_id]
+
+    return SpecplugEagleProposer

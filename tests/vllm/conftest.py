@@ -1,0 +1,129 @@
+"""vLLM test fixtures: in-process engines on tiny models, built once per session.
+
+Fast mode (DESIGN.md §3): one process, uni executor, eager, one OMP thread, fp32, a
+small KV cache. Every engine is cached by its arguments, so tests that need the same
+engine share it; `engine(...)` is the one way tests start vLLM.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+
+import pytest
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+vllm = pytest.importorskip("vllm", reason="needs the vLLM environment (scripts/test.sh vllm)")
+
+from tests.vllm.tiny_heads import (  # noqa: E402
+    agreeing_head_dir,
+    constant_target_dir,
+    tiny_head_dir,
+    tiny_target_dir,
+)
+
+SPECPLUG_TREE = {"version": 1, "method": "eagle3", "tree": {"topk": 3}, "verification": "lossless"}
+SPECPLUG_CHAIN = {"version": 1, "method": "eagle3", "tree": {"topk": 1}, "verification": "lossless"}
+NUM_SPEC_TOKENS = 3
+
+# Mixed prompt lengths (3 to ~60 tokens with the tiny tokenizer).
+PROMPTS = [
+    "the cat",
+    "a dog is here and there",
+    "one two three four five six seven eight nine ten hundred thousand time day night",
+    "red",
+    "python function return import class def if else while loop list dict set int float",
+    "the quick red fox and the lazy dog walk to the river in the city at night",
+    "tree draft target head verify accept reject sample bonus cache layer hidden state",
+    "we",
+] * 2
+
+
+class LogRecorder(logging.Handler):
+    """Collects records of the specplug logger (which forwards to vLLM's log)."""
+
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.messages: list[str] = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
+@pytest.fixture(scope="session")
+def specplug_log():
+    recorder = LogRecorder()
+    logging.getLogger("specplug").addHandler(recorder)
+    yield recorder
+    logging.getLogger("specplug").removeHandler(recorder)
+
+
+_ENGINES: dict = {}
+
+
+def _start(target: str, head: str | None, num_spec_tokens: int):
+    from vllm import LLM
+
+    spec = {}
+    if head is not None:
+        spec = {"per_request_spec_decode_metrics": "summary", "speculative_config": {
+            "method": "eagle3", "model": head, "num_speculative_tokens": num_spec_tokens}}
+    return LLM(
+        model=target, dtype="float32", seed=0, max_model_len=512, enforce_eager=True,
+        distributed_executor_backend="uni", disable_log_stats=False, **spec,
+    )
+
+
+@pytest.fixture(scope="session")
+def engine(specplug_log):
+    """engine(target_dir, head_dir=None, k=3) -> a cached vllm.LLM."""
+
+    def get(target, head=None, num_spec_tokens=NUM_SPEC_TOKENS):
+        key = (str(target), None if head is None else str(head), num_spec_tokens)
+        if key not in _ENGINES:
+            _ENGINES[key] = _start(*key)
+        return _ENGINES[key]
+
+    yield get
+    _ENGINES.clear()
+    gc.collect()
+
+
+@pytest.fixture(scope="session")
+def target():
+    return tiny_target_dir()
+
+
+@pytest.fixture(scope="session")
+def specplug_head(target):
+    return tiny_head_dir(target, specplug=SPECPLUG_TREE)
+
+
+@pytest.fixture(scope="session")
+def plain_head(target):
+    return tiny_head_dir(target)
+
+
+@pytest.fixture(scope="session")
+def chain_head(target):
+    return tiny_head_dir(target, specplug=SPECPLUG_CHAIN)
+
+
+@pytest.fixture(scope="session")
+def constant_target():
+    return constant_target_dir()
+
+
+@pytest.fixture(scope="session")
+def agreeing_head(constant_target):
+    return agreeing_head_dir(constant_target, specplug=SPECPLUG_TREE)
+
+
+def drafter_of(llm):
+    """The model runner's drafter of an in-process engine."""
+    executor = llm.llm_engine.model_executor
+    return executor.driver_worker.worker.model_runner.drafter

