@@ -102,11 +102,16 @@ def parse_choices(text: str) -> tuple[tuple[int, ...], ...]:
     return tuple(tuple(int(i) for i in c) for c in choices)
 
 
+def _given(value, default):
+    return default if value is None else value
+
+
 def _tree_config(cfg, section: dict, num_heads: int, shape: str) -> TreeConfig:
     base = TreeConfig.from_dict(section["tree"]) if "tree" in section else TreeConfig()
-    depth = cfg.speculative_num_steps or min(base.depth, num_heads)
-    topk = 1 if shape == "chain" else (cfg.speculative_eagle_topk or base.topk)
-    budget = (cfg.speculative_num_draft_tokens - 1) if cfg.speculative_num_draft_tokens else base.budget
+    depth = _given(cfg.speculative_num_steps, min(base.depth, num_heads))
+    topk = 1 if shape == "chain" else _given(cfg.speculative_eagle_topk, base.topk)
+    nodes = cfg.speculative_num_draft_tokens
+    budget = base.budget if nodes is None else nodes - 1
     if shape == "chain":
         budget = depth
     for arg, value in (("--speculative-num-steps", depth), ("--speculative-eagle-topk", topk),

@@ -1,0 +1,93 @@
+"""MEDUSA is found through the entry point, and bad arguments fail before any model loads."""
+
+import importlib.metadata
+import subprocess
+import sys
+
+import pytest
+
+from specplug.sglang_medusa.settings import settings_from_server_args
+from tests.sglang.conftest import ENGINE_ARGS
+
+
+def test_entry_point_registers_medusa_and_tree_attention():
+    from sglang.srt.plugins import load_plugins
+    from sglang.srt.plugins.hook_registry import HookRegistry
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+    names = {ep.name: ep.value for ep in importlib.metadata.entry_points(group="sglang.srt.plugins")}
+    assert names.get("specplug_medusa") == "specplug.sglang_medusa:register"
+    load_plugins()
+    algo = SpeculativeAlgorithm.from_string("medusa")
+    assert algo.name == "MEDUSA" and algo.is_speculative() and not algo.is_eagle()
+    assert not algo.need_topk() and not algo.carries_draft_hidden_states() and not algo.has_draft_kv()
+    assert "TorchNativeAttnBackend.forward_extend" in " ".join(HookRegistry._patched)
+
+
+def _settings(**kw):
+    from types import SimpleNamespace
+
+    base = dict(speculative_draft_model_path=None, speculative_num_steps=None, speculative_eagle_topk=None,
+                speculative_num_draft_tokens=None, speculative_accept_threshold_single=1.0,
+                speculative_accept_threshold_acc=1.0)
+    return settings_from_server_args(SimpleNamespace(**{**base, **kw}))
+
+
+def test_settings_come_from_the_heads_section_then_arguments(medusa_heads, monkeypatch):
+    monkeypatch.delenv("SPECPLUG_MEDUSA_TREE", raising=False)
+    s = _settings(speculative_draft_model_path=str(medusa_heads))
+    assert (s.tree.depth, s.tree.topk, s.tree.budget, s.num_nodes) == (3, 2, 7, 8)
+    assert s.verification == "lossless" and s.method == "rejection" and s.head_accuracies is not None
+    s = _settings(speculative_draft_model_path=str(medusa_heads), speculative_num_draft_tokens=5,
+                  speculative_accept_threshold_single=0.2)
+    assert s.num_nodes == 5 and s.verification == "typical" and s.typical_epsilon == 0.2
+    assert s.typical_delta == 0.3  # the Medusa-2 default where no value is given
+    monkeypatch.setenv("SPECPLUG_MEDUSA_TREE", "chain")
+    assert _settings(speculative_draft_model_path=str(medusa_heads)).num_nodes == 4  # 3 heads + root
+    monkeypatch.setenv("SPECPLUG_MEDUSA_TREE", "[[0], [1], [0, 0]]")
+    s = _settings(speculative_draft_model_path=str(medusa_heads))
+    assert s.choices == ((0,), (1,), (0, 0)) and s.num_nodes == 4
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({}, "--speculative-draft-model-path"),
+    ({"speculative_num_steps": 9}, "at most the number of Medusa heads"),
+    ({"speculative_eagle_topk": 0}, "--speculative-eagle-topk"),
+    ({"speculative_accept_threshold_single": 1.5}, "--speculative-accept-threshold-single"),
+])
+def test_bad_arguments_are_named(medusa_heads, kwargs, message):
+    kwargs.setdefault("speculative_draft_model_path", None if not kwargs else str(medusa_heads))
+    with pytest.raises(ValueError, match=message):
+        _settings(**kwargs)
+
+
+def test_engine_rejects_bad_arguments_before_model_load(sgl_model, medusa_heads, tmp_path):
+    """The error is raised in the calling process by validate_server_args: no scheduler
+    process (which loads the model) is ever started."""
+    import sglang
+
+    from tests.support.tiny_llama import tiny_llama_dir
+    from tests.support.tiny_medusa import medusa_heads_dir
+
+    other_target = tiny_llama_dir(hidden_size=64, num_heads=2, num_kv_heads=1)
+    foreign_heads = medusa_heads_dir(other_target, tmp_path / "foreign", fit_steps=0)
+    cases = [
+        (dict(speculative_num_steps=7), "at most the number of Medusa heads"),
+        (dict(speculative_draft_model_path=str(tmp_path / "missing")), "--speculative-draft-model-path"),
+        (dict(speculative_draft_model_path=str(foreign_heads)), "hidden_size"),
+    ]
+    for extra, message in cases:
+        kwargs = {**ENGINE_ARGS, "speculative_algorithm": "MEDUSA",
+                  "speculative_draft_model_path": str(medusa_heads), **extra}
+        with pytest.raises(ValueError, match=message):
+            sglang.Engine(model_path=str(sgl_model), **kwargs)
+
+
+def test_launch_server_rejects_bad_arguments_before_model_load(sgl_model, medusa_heads):
+    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(sgl_model), "--device", "cpu",
+           "--attention-backend", "torch_native", "--speculative-algorithm", "MEDUSA",
+           "--speculative-draft-model-path", str(medusa_heads), "--speculative-num-steps", "9"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    assert "at most the number of Medusa heads" in proc.stderr + proc.stdout
+    assert "Load weight begin" not in proc.stderr + proc.stdout
