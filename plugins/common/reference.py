@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .drafters import Drafter
+from .metrics import AcceptanceStats
 from .sampling import SamplingConfig, process_logits, verify
 from .tree import DraftTree, TreeConfig
 
@@ -28,30 +29,36 @@ logger = logging.getLogger(__name__)
 class GenerationResult:
     """tokens: the new tokens (prompt excluded), cut at EOS / max_new_tokens.
     num_accepted: draft tokens accepted at each verify step (root and bonus excluded).
-    tau: mean tokens emitted per verify step (num_accepted + 1 averaged).
-    acceptance_per_position[i]: fraction of steps that accepted at least i + 1 drafts.
+    stats: the same steps as specplug.common.metrics.AcceptanceStats (tau, per-position
+    acceptance, draft acceptance rate; definitions in metrics.py).
     tok_per_s: new tokens / wall seconds (prefill included)."""
 
     tokens: list[int]
     num_accepted: list[int] = field(default_factory=list)
+    stats: AcceptanceStats = field(default_factory=AcceptanceStats)
     wall_s: float = 0.0
 
     @property
     def steps(self) -> int:
-        return len(self.num_accepted)
+        return self.stats.num_steps
 
     @property
     def tau(self) -> float:
-        return sum(a + 1 for a in self.num_accepted) / max(self.steps, 1)
+        """Mean tokens emitted per verify step."""
+        return self.stats.tau
 
     @property
     def acceptance_per_position(self) -> list[float]:
-        depth = max(self.num_accepted, default=0)
-        return [sum(a > i for a in self.num_accepted) / self.steps for i in range(depth)]
+        """[d] = fraction of steps that accepted at least d + 1 draft tokens."""
+        return self.stats.acceptance_per_pos
 
     @property
     def tok_per_s(self) -> float:
         return len(self.tokens) / self.wall_s if self.wall_s > 0 else float("nan")
+
+    def as_dict(self) -> dict:
+        return {"tokens": list(self.tokens), "num_accepted": list(self.num_accepted), "wall_s": self.wall_s,
+                "tok_per_s": self.tok_per_s, **self.stats.as_dict()}
 
 
 def _verify_method(sampling: SamplingConfig, method: str | None) -> str:
@@ -170,16 +177,18 @@ def generate(target, drafter: Drafter, prompt_ids, max_new_tokens: int, *, tree:
     loop = _Loop(target, drafter, sampling, _verify_method(sampling, method))
     tokens = [loop.prefill(prompt)]
     num_accepted: list[int] = []
+    stats = AcceptanceStats()
     try:
         while len(tokens) < max_new_tokens and tokens[-1] not in eos:
-            batch = drafter.draft([0], tree)
-            emitted, accepted = loop.step(batch.unbind()[0])
+            draft_tree = drafter.draft([0], tree).unbind()[0]
+            emitted, accepted = loop.step(draft_tree)
             tokens += emitted
             num_accepted.append(accepted)
+            stats.update(torch.tensor([accepted]), draft_tree.num_nodes - 1)
     finally:
         drafter.release([0])
     tokens = _cut(tokens, eos, max_new_tokens)
-    result = GenerationResult(tokens, num_accepted, time.perf_counter() - start)
+    result = GenerationResult(tokens, num_accepted, stats, time.perf_counter() - start)
     logger.debug("reference loop: %d tokens, %d steps, tau %.2f", len(tokens), result.steps, result.tau)
     return result
 

@@ -13,6 +13,16 @@ from specplug.common.tree import TreeConfig
 DRAFT_VOCAB = 200
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models run fastest on one thread, and a shared 2-core machine would otherwise
+    oversubscribe (OpenMP spin-waits made these tests 30x slower under load)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 # -- helpers shared with test_reference.py ---------------------------------------------------
 @pytest.fixture(scope="module")
 def target(tiny_llama_path):

@@ -8,10 +8,11 @@ import torch
 from specplug.common import reference
 from specplug.common.drafters import Eagle3Drafter, MedusaDrafter
 from specplug.common.heads import Eagle3Config, Eagle3Head, MedusaConfig, MedusaHeads
+from specplug.common.metrics import AcceptanceStats
 from specplug.common.reference import GenerationResult, generate
 from specplug.common.sampling import SamplingConfig
 from specplug.common.tree import DraftTree, TreeConfig
-from tests.common.test_drafters import random_eagle3_head, random_medusa_heads, target  # noqa: F401
+from tests.common.test_drafters import one_thread, random_eagle3_head, random_medusa_heads, target  # noqa: F401
 
 PROMPT = torch.tensor([1, 40, 41, 42, 43, 44, 45, 46, 47, 48])
 NEW = 24
@@ -147,6 +148,59 @@ def test_sampling_with_agreeing_drafter_is_the_target_chain(target, sequence):
     assert result.tokens == sequence[len(PROMPT):len(PROMPT) + NEW].tolist() and result.tau == 4
 
 
+@torch.no_grad()
+def second_token_marginal(target, prompt, temperature):
+    """Exact P(x2) = sum_x1 p(x1 | prompt) p(x2 | prompt, x1) at `temperature`: -> [V]."""
+    p1 = (target(prompt[None]).logits[0, -1] / temperature).softmax(-1)  # [V]
+    vocab = p1.shape[0]
+    batch = torch.cat([prompt.expand(vocab, -1), torch.arange(vocab)[:, None]], 1)  # [V, n + 1]
+    p2 = (target(batch).logits[:, -1] / temperature).softmax(-1)  # [V, V]
+    return p1 @ p2
+
+
+def chi_square_pvalue(counts, probs):
+    """Pearson chi-square p-value; bins with expected count < 5 are merged into one."""
+    from scipy.stats import chi2
+    expected = probs * counts.sum()
+    big = expected >= 5
+    obs = torch.cat([counts[big], counts[~big].sum()[None]])
+    exp = torch.cat([expected[big], expected[~big].sum()[None]])
+    keep = exp > 0
+    stat = float(((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum())
+    return float(chi2.sf(stat, int(keep.sum()) - 1))
+
+
+SAMPLES = 400
+
+
+def second_tokens(target, drafter, temperature, seeds):
+    cfg = lambda seed: SamplingConfig(temperature=temperature, seed=seed)  # noqa: E731
+    return [generate(target, drafter, PROMPT, 2, tree=TREE, sampling=cfg(s), eos_token_id=[]).tokens[1]
+            for s in seeds]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["random", "agreeing"])
+def test_sampled_tokens_follow_the_target_distribution(target, sequence, kind, monkeypatch):
+    """The 2nd new token (an accepted draft or the residual/bonus draw of the first tree
+    step) must follow the target's exact marginal at T=1. Sample size 400 per case,
+    chi-square with small bins merged, reject at p < 1e-3 (false-failure chance 0.1% per
+    case). Negative control: verifying against T=2 probabilities (a forgotten
+    temperature) must be rejected by the same test."""
+    drafter = make_drafter("eagle3", target) if kind == "random" else oracle_drafter("eagle3", target, sequence)
+    vocab = target.config.vocab_size
+    exact = second_token_marginal(target, PROMPT, 1.0)
+    counts = torch.bincount(torch.tensor(second_tokens(target, drafter, 1.0, range(SAMPLES))), minlength=vocab)
+    assert chi_square_pvalue(counts.double(), exact.double()) > 1e-3
+    if kind == "random":
+        return
+    wrong = reference._target_probs
+    monkeypatch.setattr(reference, "_target_probs",
+                        lambda logits, sampling, method: wrong(logits / 2.0, sampling, method))
+    bad = torch.bincount(torch.tensor(second_tokens(target, drafter, 1.0, range(SAMPLES))), minlength=vocab)
+    assert chi_square_pvalue(bad.double(), exact.double()) < 1e-3
+
+
 # -- the tree pass itself, and negative controls for it ----------------------------------
 def chain_mask(tree, past_len, dtype, device):
     """WRONG on purpose: a causal mask over the tree, so a node also sees earlier siblings."""
@@ -206,9 +260,11 @@ def test_tree_pass_equals_plain_forward_per_path(target, sequence, monkeypatch, 
 
 
 def test_result_metrics():
-    r = GenerationResult(tokens=[1] * 9, num_accepted=[3, 1, 0, 2], wall_s=2.0)
+    stats = AcceptanceStats().update(torch.tensor([3, 1, 0, 2]), 12)
+    r = GenerationResult(tokens=[1] * 9, num_accepted=[3, 1, 0, 2], stats=stats, wall_s=2.0)
     assert r.steps == 4 and r.tau == 2.5 and r.tok_per_s == 4.5
     assert r.acceptance_per_position == [0.75, 0.5, 0.25]
+    assert r.as_dict()["draft_acceptance_rate"] == 0.5
 
 
 def test_bad_arguments(target):
