@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 
 class DraftStep(NamedTuple):
-    logprobs: torch.Tensor  # [T, vocab] draft log-probs of the NEXT token (target vocab; -inf off the draft vocab)
+    logprobs: torch.Tensor  # [T, draft_vocab] draft log-probs of the NEXT token (see token_map)
     hidden: torch.Tensor  # [T, H] pre-norm output: the `hidden` input of a child step
     key: torch.Tensor  # [T, kv_heads, head_dim] keys of the T inputs (after RoPE)
     value: torch.Tensor  # [T, kv_heads, head_dim]
@@ -43,6 +43,14 @@ class DenseEagle3Head:
         self.head_dim, self.scaling = attn.head_dim, attn.scaling
         self.q_size, self.kv_size = attn.q_size, attn.kv_size
 
+    @property
+    def token_map(self) -> torch.Tensor | None:
+        """Long [draft_vocab] target id of each draft id (arange + d2t), None if identical."""
+        d2t = self.model.draft_id_to_target_id
+        if d2t is None:
+            return None
+        return torch.arange(d2t.shape[0], device=d2t.device) + d2t
+
     def combine(self, aux_hidden: torch.Tensor) -> torch.Tensor:
         """[T, 3*Ht] concatenated target aux states -> [T, H] (the head's fc)."""
         return self.model.combine_hidden_states(aux_hidden)
@@ -65,7 +73,7 @@ class DenseEagle3Head:
         out, residual = layer.post_attention_layernorm(out, residual)
         out = layer.mlp(out)
         normed_out, prenorm = self.model.model.norm(out, residual)
-        logits = self.model.compute_logits(normed_out).float()  # [T, vocab]
+        logits = self.model.logits_processor(self.model.lm_head, normed_out).float()  # [T, draft_vocab]
         return DraftStep(torch.log_softmax(logits, dim=-1), prenorm, key, value)
 
     def _attend(self, q, keys, values, mask):

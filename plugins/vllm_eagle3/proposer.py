@@ -25,7 +25,7 @@ from specplug.vllm_eagle3.settings import (
     check_head_matches_target,
     specplug_section,
 )
-from specplug.vllm_eagle3.tree_draft import draft_tree
+from specplug.vllm_eagle3.tree_draft import Root, best_chains, draft_trees, full_budget
 
 logger = logging.getLogger(__name__)
 
@@ -69,18 +69,12 @@ def make_proposer_class(eagle_proposer_cls):
                 target.get_total_num_hidden_layers(), self.draft_model_config.model,
             )
             self.specplug = adapter_settings(section)
-            if self.specplug.depth not in (None, self.num_speculative_tokens):
-                raise ValueError(
-                    f"specplug tree depth {self.specplug.depth} != num_speculative_tokens "
-                    f"{self.num_speculative_tokens}: stage 'chain' verifies one path of exactly "
-                    "num_speculative_tokens tokens; set them equal or drop depth"
-                )
             self._dense_head: DenseEagle3Head | None = None
             self._caches: dict[str, _DraftCache] = {}
             logger.info(
                 "specplug EAGLE-3 proposer active for head %s: dynamic tree topk=%d depth=%d, "
                 "stage %s (vLLM verifies the best path)", self.draft_model_config.model,
-                self.specplug.topk, self.num_speculative_tokens, self.specplug.stage,
+                self.specplug.tree.topk, self.num_speculative_tokens, self.specplug.stage,
             )
 
         def propose(self, num_speculative_tokens, target_token_ids, target_positions,
@@ -116,22 +110,26 @@ def make_proposer_class(eagle_proposer_cls):
             discarded = self.runner.discard_request_mask.cpu[:batch].tolist()
             hidden = self._dense_head.combine(aux_hidden[: starts[-1]])  # [tokens, H]
             chains = torch.zeros(batch, depth, dtype=next_token_ids.dtype)
+            rows, roots = [], []
             for b, req_id in enumerate(req_ids):
                 start, end = starts[b], starts[b + 1] - rejected[b]
                 if end <= start:
                     continue
                 root = self._catch_up(req_id, token_ids[start:end], positions[start:end],
                                       hidden[start:end], int(next_token_ids[b]))
-                if discarded[b] or depth == 0:
-                    continue  # partial prefill: vLLM discards this request's drafts
-                tree = draft_tree(self._dense_head, root, self._caches[req_id],
-                                  int(positions[end - 1]) + 1, depth, self.specplug.topk)
-                chains[b] = tree.best_path_tokens(depth)
+                if not discarded[b]:  # partial prefills: vLLM discards their drafts
+                    rows.append(b)
+                    roots.append(root)
+            if roots and depth > 0:
+                topk = self.specplug.tree.topk
+                budget = full_budget(depth, topk, roots[0].logprobs.shape[-1])
+                trees = draft_trees(self._dense_head, roots, depth, topk, budget)
+                chains[rows] = best_chains(trees, depth).to(chains.dtype)
             return chains.to(next_token_ids.device)
 
         def _catch_up(self, req_id, tokens, positions, hidden, next_token):
-            """Run the head over this step's committed inputs; returns the root step (its
-            last row: logprobs of the first draft token, hidden for the children)."""
+            """Run the head over this step's committed inputs (rolling back what vLLM
+            rejected) and return the request's tree Root."""
             cache = self._caches.get(req_id)
             if cache is None:
                 empty = self._dense_head.empty_kv()
@@ -143,7 +141,8 @@ def make_proposer_class(eagle_proposer_cls):
             mask = torch.ones(length, past + length, dtype=torch.bool).tril(diagonal=past)
             step = self._dense_head.step(shifted, hidden, positions, cache.key, cache.value, mask)
             cache.append(step.key, step.value)
-            return step.logprobs[-1], step.hidden[-1], next_token
+            return Root(next_token, step.logprobs[-1], step.hidden[-1], int(positions[-1]),
+                        cache.key, cache.value)
 
         def _forget_finished(self):
             live = self.runner.requests

@@ -9,11 +9,12 @@ section's `tree` dict; the environment variable SPECPLUG_TREE (a JSON object, e.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 from dataclasses import dataclass
 from typing import Any, Mapping
+
+from specplug.common.tree import TreeConfig
 
 ENV_TREE_OVERRIDE = "SPECPLUG_TREE"
 STAGES = ("chain",)
@@ -23,27 +24,19 @@ STAGES = ("chain",)
 class AdapterSettings:
     """How the specplug proposer drafts inside vLLM.
 
-    topk: children expanded per frontier node and frontier width per depth (EAGLE-2).
-    depth: draft depth; None means vLLM's num_speculative_tokens (stage "chain" must
-      hand vLLM exactly that many tokens, so any other value is an error there).
-    budget: nodes kept after reranking (stage B; recorded for stage A).
-    stage: "chain" = stage A: the best root-to-leaf path is verified by vLLM's own
-      rejection sampler (exact, lossless at any temperature).
+    tree: EAGLE-2 settings (specplug.common.tree.TreeConfig: depth, topk, budget).
+      In stage "chain" vLLM's num_speculative_tokens is the draft depth (the chain vLLM
+      verifies has exactly that many tokens) and every drafted node is kept.
+    verification: "lossless" only (vLLM never runs lossy typical acceptance here).
+    stage: "chain" = stage A: the tree's best root-to-leaf path is verified as vLLM's
+      chain, by specplug's sampler (specplug.common.sampling.verify).
     """
 
-    topk: int = 4
-    depth: int | None = None
-    budget: int = 16
+    tree: TreeConfig = TreeConfig()
     verification: str = "lossless"
     stage: str = "chain"
 
     def __post_init__(self):
-        for name in ("topk", "budget"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"specplug tree setting {name} must be an int >= 1, got {value!r}")
-        if self.depth is not None and (not isinstance(self.depth, int) or self.depth < 1):
-            raise ValueError(f"specplug tree setting depth must be an int >= 1 or null, got {self.depth!r}")
         if self.verification != "lossless":
             raise ValueError(
                 f"specplug verification {self.verification!r} is not supported by the vLLM adapter: "
@@ -72,18 +65,18 @@ def specplug_section(hf_config: Any) -> dict | None:
 
 def adapter_settings(section: Mapping[str, Any], environ: Mapping[str, str] = os.environ) -> AdapterSettings:
     """AdapterSettings from a specplug section, with SPECPLUG_TREE overrides applied."""
-    values = dict(section.get("tree") or {})
+    tree = dict(section.get("tree") or {})
     override = environ.get(ENV_TREE_OVERRIDE)
     if override:
         try:
-            values.update(json.loads(override))
-        except json.JSONDecodeError as exc:
+            tree.update(json.loads(override))
+        except (json.JSONDecodeError, TypeError, ValueError) as exc:
             raise ValueError(f"{ENV_TREE_OVERRIDE} must be a JSON object, got {override!r}: {exc}") from exc
-    for key in ("verification", "stage"):
-        if key in section and key not in values:
-            values[key] = section[key]
-    known = {f.name for f in dataclasses.fields(AdapterSettings)}
-    return AdapterSettings(**{k: v for k, v in values.items() if k in known})
+    return AdapterSettings(
+        tree=TreeConfig.from_dict(tree),
+        verification=section.get("verification", "lossless"),
+        stage=section.get("stage", "chain"),
+    )
 
 
 def check_head_matches_target(head_config: Any, target_config: Any, num_target_layers: int,

@@ -7,6 +7,7 @@ from importlib.metadata import entry_points
 
 import pytest
 
+from specplug.common.tree import TreeConfig
 from specplug.vllm_eagle3 import check_vllm_version
 from specplug.vllm_eagle3.metrics import SpecDecodeStats, spec_decode_stats, stats_from_outputs
 from specplug.vllm_eagle3.settings import AdapterSettings, adapter_settings, specplug_section
@@ -39,8 +40,8 @@ def test_version_guard_names_the_supported_version():
 
 def test_settings_from_section_and_env_override():
     section = specplug_section({"specplug": SPECPLUG_TREE})
-    assert adapter_settings(section, environ={}) == AdapterSettings(topk=3)
-    assert adapter_settings(section, environ={"SPECPLUG_TREE": '{"topk": 1}'}).topk == 1
+    assert adapter_settings(section, environ={}) == AdapterSettings(TreeConfig(topk=3))
+    assert adapter_settings(section, environ={"SPECPLUG_TREE": '{"topk": 1}'}).tree.topk == 1
     assert specplug_section({"architectures": ["LlamaForCausalLMEagle3"]}) is None
     with pytest.raises(ValueError, match="verification 'typical'"):
         adapter_settings({"verification": "typical"}, environ={})
@@ -60,7 +61,7 @@ def test_specplug_head_switches_the_plugin_on(engine, target, specplug_head, spe
     llm = engine(target, specplug_head)
     drafter = drafter_of(llm)
     assert type(drafter).__name__ == "SpecplugEagleProposer"
-    assert drafter.specplug == AdapterSettings(topk=3)
+    assert drafter.specplug == AdapterSettings(TreeConfig(topk=3))
     assert any("specplug EAGLE-3 proposer active" in m for m in specplug_log.messages)
 
 
