@@ -248,11 +248,12 @@ class _NodeRows:
         out = fn(self.x)
         return tuple(o[self.row] for o in out) if isinstance(out, tuple) else out[self.row]
 
-    def rows(self, nodes: torch.Tensor) -> torch.Tensor:
-        """nodes Long [B] -> Float [B, V] (float32)."""
+    def rows(self, nodes: torch.Tensor, batch: torch.Tensor | None = None) -> torch.Tensor:
+        """nodes Long [A] of requests ``batch`` [A] (default: all B) -> Float [A, V] (float32)."""
+        batch = self.batch if batch is None else batch
         if self.flat:
-            return self.x[self.row.gather(1, nodes.unsqueeze(1)).squeeze(1)].float()
-        return self.x[self.batch, nodes].float()
+            return self.x[self.row[batch, nodes]].float()
+        return self.x[batch, nodes].float()
 
     def values(self, nodes: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         """nodes, tokens Long [B, K] -> Float [B, K]: p at (node, token)."""
@@ -441,33 +442,51 @@ def _children_table(tree: _Tree) -> torch.Tensor:
 
 
 def _verify_draft_probs(p: _NodeRows, q: _NodeRows, tree: _Tree, p_sum: torch.Tensor, uniforms: torch.Tensor):
-    """SpecInfer multi-draft rejection (Leviathan for chains), walking one level at a time."""
+    """SpecInfer multi-draft rejection (Leviathan for chains), one level at a time.
+
+    Works on the still-walking rows only; a row stops at a node none of whose children
+    is accepted (a leaf included) and draws its final token from its residual there.
+    """
     table = _children_table(tree)  # [B, N, C]
     bsz = table.shape[0]
-    batch = torch.arange(bsz, device=table.device)
     cur = torch.zeros(bsz, dtype=torch.long, device=table.device)
-    active = torch.ones(bsz, dtype=torch.bool, device=table.device)
-    p_res = p.rows(cur) / p_sum[batch, cur].unsqueeze(1)  # [B, V]
-    for _ in range(tree.max_depth):
-        kids = table[batch, cur]  # [B, C]
-        q_c = q.rows(cur)  # [B, V]
-        moved = torch.zeros_like(active)
-        nxt = cur.clone()
-        for s in range(kids.shape[1]):
-            j = kids[:, s]
-            testing = active & ~moved & (j >= 0)
-            x = tree.candidates[batch, j.clamp(min=0)]
-            u = uniforms[batch, j.clamp(min=0)]
-            accept = testing & (u * q_c[batch, x] < p_res[batch, x])
-            nxt = torch.where(accept, j, nxt)
-            moved |= accept
-            rejected = (testing & ~accept).unsqueeze(1)
-            p_res = torch.where(rejected, _specinfer_residual(p_res, q_c), p_res)
-        active, cur = moved, nxt
-        p_res = torch.where(moved.unsqueeze(1), p.rows(cur) / p_sum[batch, cur].unsqueeze(1), p_res)
-        if not bool(active.any()):
+    rows = torch.arange(bsz, device=table.device)  # [A] rows still walking
+    final_dist = torch.empty(bsz, p.x.shape[-1], dtype=torch.float32, device=table.device)  # [B, V]
+    p_res = p.rows(cur) / p_sum[rows, cur].unsqueeze(1)  # [A, V]
+    for _ in range(tree.max_depth + 1):
+        if rows.numel() == 0:
             break
-    return cur, sample_inverse_cdf(p_res, uniforms[:, 0])
+        nxt, moved, p_res = _draft_probs_level(q, tree, table, rows, cur[rows], p_res, uniforms)
+        final_dist[rows[~moved]] = p_res[~moved]
+        cur[rows] = nxt
+        rows, nodes = rows[moved], nxt[moved]
+        p_res = p.rows(nodes, rows) / p_sum[rows, nodes].unsqueeze(1)
+    return cur, sample_inverse_cdf(final_dist, uniforms[:, 0])
+
+
+def _draft_probs_level(q: _NodeRows, tree: _Tree, table, rows, cur, p_res, uniforms):
+    """Test the children of ``cur`` [A] (rows ``rows`` of the batch) in id order.
+
+    Returns (next node [A], moved Bool [A], residual [A, V] where not moved)."""
+    kids = table[rows, cur]  # [A, C]
+    q_c = q.rows(cur, rows)  # [A, V]
+    slot = torch.arange(rows.numel(), device=rows.device)
+    moved = torch.zeros_like(rows, dtype=torch.bool)
+    nxt = cur.clone()
+    for s in range(kids.shape[1]):
+        j = kids[:, s]
+        testing = ~moved & (j >= 0)
+        if not bool(testing.any()):
+            break
+        x = tree.candidates[rows, j.clamp(min=0)]
+        u = uniforms[rows, j.clamp(min=0)]
+        accept = testing & (u * q_c[slot, x] < p_res[slot, x])
+        nxt = torch.where(accept, j, nxt)
+        moved |= accept
+        rejected = (testing & ~accept).nonzero().squeeze(1)
+        if rejected.numel():
+            p_res[rejected] = _specinfer_residual(p_res[rejected], q_c[rejected])
+    return nxt, moved, p_res
 
 
 def _verify_typical(p: _NodeRows, tree: _Tree, uniforms: torch.Tensor, epsilon: float, delta: float):
