@@ -1,0 +1,58 @@
+"""Builds and loads the torch extension of the fused verify kernels (once per process).
+
+The extension is compiled on first use with ``torch.utils.cpp_extension.load`` (ninja)
+into torch's extension cache (``$TORCH_EXTENSIONS_DIR``, default
+``~/.cache/torch_extensions``) and reused by later processes; ``python -m
+specplug.common.cuda`` builds it ahead of time. A failed build is reported, never
+raised: callers fall back to the torch path.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from pathlib import Path
+from typing import Any, NamedTuple
+
+logger = logging.getLogger(__name__)
+
+SOURCE_DIR = Path(__file__).resolve().parent
+SOURCES = ("verify_binding.cpp", "verify_kernels.cu")
+HEADERS = ("verify.h",)
+# Bump when the binding's signature changes, so a stale cached build is not loaded.
+EXTENSION_NAME = "specplug_verify_v1"
+NVCC_FLAGS = ("-O3", "-lineinfo")  # no --use_fast_math: the kernels need IEEE division
+CXX_FLAGS = ("-O3",)
+
+
+class Build(NamedTuple):
+    """module: the loaded extension, or None; error: why not (None when loaded)."""
+
+    module: Any
+    error: str | None
+
+
+@functools.lru_cache(maxsize=None)
+def load_extension(verbose: bool = False) -> Build:
+    """Compiles (or finds in the cache) and imports the extension; never raises."""
+    try:
+        import torch
+        from torch.utils import cpp_extension
+
+        if not torch.cuda.is_available():
+            return Build(None, "torch sees no CUDA device")
+        if cpp_extension.CUDA_HOME is None:
+            return Build(None, "no CUDA toolkit found (set CUDA_HOME to a folder with bin/nvcc)")
+        module = cpp_extension.load(
+            name=EXTENSION_NAME,
+            sources=[str(SOURCE_DIR / s) for s in SOURCES],
+            extra_include_paths=[str(SOURCE_DIR)],
+            extra_cflags=list(CXX_FLAGS),
+            extra_cuda_cflags=list(NVCC_FLAGS),
+            verbose=verbose,
+        )
+    except Exception as exc:  # a failed build must never break the caller
+        message = " ".join(str(exc).split())[:300] or type(exc).__name__
+        logger.debug("specplug CUDA verify extension failed to build", exc_info=True)
+        return Build(None, f"{type(exc).__name__}: {message}")
+    return Build(module, None)
