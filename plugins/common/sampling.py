@@ -406,18 +406,19 @@ def _target_only_accept(p: _NodeRows, tree: _Tree, p_sum: torch.Tensor, uniforms
 def _target_only_final(p: _NodeRows, tree: _Tree, final: torch.Tensor) -> torch.Tensor:
     """Float [B, V]: p after ``final`` with the tokens of all its children zeroed
     (they were all rejected); a leaf keeps its full row (the bonus distribution)."""
-    row = p.rows(final)  # [B, V]
-    vocab = row.shape[1]
-    child = tree.real & (tree.parents == final.unsqueeze(1))  # [B, N]
-    idx = torch.where(child, tree.candidates, vocab)
-    zero = torch.zeros(row.shape[0], vocab + 1, dtype=torch.bool, device=row.device)
-    residual = row.masked_fill(zero.scatter_(1, idx, True)[:, :vocab], 0.0)
-    return torch.where(residual.sum(-1, keepdim=True) > 0, residual, row)  # rounding guard
+    row = p.rows(final)  # [B, V], a fresh copy
+    b, j = (tree.real & (tree.parents == final.unsqueeze(1))).nonzero(as_tuple=True)  # children
+    row[b, tree.candidates[b, j]] = 0.0
+    return row
 
 
 def _verify_target_only(p: _NodeRows, tree: _Tree, p_sum: torch.Tensor, uniforms: torch.Tensor):
     final = _deepest_path_end(_target_only_accept(p, tree, p_sum, uniforms), tree)
-    return final, sample_inverse_cdf(_target_only_final(p, tree, final), uniforms[:, 0])
+    dist = _target_only_final(p, tree, final)
+    empty = ~(dist.sum(-1) > 0)  # rounding left no residual mass: use the unmodified row
+    if bool(empty.any()):
+        dist[empty] = p.rows(final[empty], p.batch[empty])
+    return final, sample_inverse_cdf(dist, uniforms[:, 0])
 
 
 def _specinfer_residual(p_res: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
