@@ -3,7 +3,8 @@
 The extension is compiled on first use with ``torch.utils.cpp_extension.load`` (ninja)
 into torch's extension cache (``$TORCH_EXTENSIONS_DIR``, default
 ``~/.cache/torch_extensions``) and reused by later processes; ``python -m
-specplug.common.cuda`` builds it ahead of time. A failed build is reported, never
+specplug.common.cuda`` builds it ahead of time (on a machine without a GPU, name the
+target with ``TORCH_CUDA_ARCH_LIST``, e.g. "9.0"). A failed build is reported, never
 raised: callers fall back to the torch path.
 """
 
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -39,8 +41,10 @@ def load_extension(verbose: bool = False) -> Build:
         import torch
         from torch.utils import cpp_extension
 
-        if not torch.cuda.is_available():
-            return Build(None, "torch sees no CUDA device")
+        if torch.version.cuda is None:
+            return Build(None, f"torch {torch.__version__} was built without CUDA")
+        if not torch.cuda.is_available() and not os.environ.get("TORCH_CUDA_ARCH_LIST"):
+            return Build(None, "torch sees no CUDA device (set TORCH_CUDA_ARCH_LIST to build without one)")
         if cpp_extension.CUDA_HOME is None:
             return Build(None, "no CUDA toolkit found (set CUDA_HOME to a folder with bin/nvcc)")
         module = cpp_extension.load(
