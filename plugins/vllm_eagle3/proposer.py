@@ -4,7 +4,8 @@
 head whose config.json has no `specplug` section every method is vLLM's own. With a
 specplug head, `propose` drafts an EAGLE-2 dynamic tree per request from the target's
 aux hidden states and hands vLLM the tree's best root-to-leaf path as its chain
-(stage A): vLLM's own rejection sampler verifies it, so output is exactly the target's.
+(stage A), which specplug's chain sampler (sampler.py, in place of the runner's
+rejection sampler) verifies losslessly.
 
 Per-request draft state is a dense key/value cache of the head (positions 0..P-1 of the
 committed sequence), kept here keyed by request id and truncated to the first position
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from specplug.vllm_eagle3.dense_head import DenseEagle3Head
+from specplug.vllm_eagle3.sampler import SpecplugChainSampler
 from specplug.vllm_eagle3.settings import (
     AdapterSettings,
     adapter_settings,
@@ -76,6 +78,14 @@ def make_proposer_class(eagle_proposer_cls):
                 "stage %s (vLLM verifies the best path)", self.draft_model_config.model,
                 self.specplug.tree.topk, self.num_speculative_tokens, self.specplug.stage,
             )
+
+        def load_model(self, target_model):
+            super().load_model(target_model)
+            if self.specplug is not None and self.runner is not None:
+                # the runner builds its rejection sampler after the drafter: swap it here
+                self.runner.rejection_sampler = SpecplugChainSampler(self.runner.rejection_sampler)
+                logger.info("specplug: runner.rejection_sampler replaced by SpecplugChainSampler "
+                            "(specplug.common.sampling.verify)")
 
         def propose(self, num_speculative_tokens, target_token_ids, target_positions,
                     target_hidden_states, next_token_ids, token_indices_to_sample,
