@@ -304,6 +304,17 @@ def _check_probs(name: str, x: torch.Tensor | None, tree: _Tree, vocab: int | No
         raise ValueError(f"{name} has vocab {x.shape[-1]} but target_probs has {vocab}: use the same vocabulary")
 
 
+def _check_tokens(tree: _Tree, vocab: int) -> None:
+    drafted = tree.real & (tree.parents >= 0)
+    bad = drafted & ((tree.candidates < 0) | (tree.candidates >= vocab))
+    if bool(bad.any()):
+        b, j = bad.nonzero()[0].tolist()
+        raise ValueError(
+            f"candidates[{b}, {j}] = {tree.candidates[b, j].item()} is outside the vocabulary [0, {vocab}) "
+            f"of target_probs: draft tokens must be target token ids (map draft-vocab ids with d2t)"
+        )
+
+
 def _check_uniforms(uniforms: torch.Tensor, tree: _Tree) -> torch.Tensor:
     bsz, n = tree.parents.shape
     if uniforms.shape != (bsz, n + 1):
@@ -359,8 +370,9 @@ def _deepest_path_end(chosen: torch.Tensor, tree: _Tree) -> torch.Tensor:
 
 def _parent_values(p: _NodeRows, tree: _Tree) -> torch.Tensor:
     """Float [B, N]: p at (parent of j, token of j); 0 at the root and padding."""
-    vals = p.values(tree.parents.clamp(min=0), tree.candidates.clamp(min=0))
-    return torch.where(tree.real & (tree.parents >= 0), vals, 0.0)
+    drafted = tree.real & (tree.parents >= 0)
+    vals = p.values(tree.parents.clamp(min=0), torch.where(drafted, tree.candidates, 0))
+    return torch.where(drafted, vals, 0.0)
 
 
 def _result(final: torch.Tensor, bonus: torch.Tensor, tree: _Tree) -> VerifyResult:
@@ -380,13 +392,21 @@ def _result(final: torch.Tensor, bonus: torch.Tensor, tree: _Tree) -> VerifyResu
 # --------------------------------------------------------------------------- the methods
 
 
-def _verify_greedy(p: _NodeRows, tree: _Tree, argmax: torch.Tensor):
-    """argmax Long [B, N]: target's argmax after each node. The accepted path is the
-    deepest one agreeing with the argmax everywhere (ties: lowest node id)."""
-    want = argmax.gather(1, tree.parents.clamp(min=0))  # [B, N] argmax at each node's parent
-    accept = tree.real & (tree.parents >= 0) & (tree.candidates == want)
-    final = _deepest_path_end(accept, tree)
-    return final, argmax.gather(1, final.unsqueeze(1)).squeeze(1)
+def _verify_greedy(p: _NodeRows, tree: _Tree, top: torch.Tensor):
+    """top Float [B, N]: the max of each node's row. The accepted path is the deepest one
+    agreeing with the argmax (first maximal index) everywhere (ties: lowest node id).
+
+    One vectorised max pass over all rows; the first-maximal-index rule is then checked
+    only on rows where a candidate hits the max, and argmax runs on the final rows only.
+    """
+    top_at_parent = top.gather(1, tree.parents.clamp(min=0))  # [B, N]
+    hit = tree.real & (tree.parents >= 0) & (_parent_values(p, tree) == top_at_parent)
+    b, j = hit.nonzero(as_tuple=True)
+    if b.numel():
+        first = p.rows(tree.parents[b, j], b).argmax(-1)  # [K] first maximal index
+        hit[b, j] = first == tree.candidates[b, j]
+    final = _deepest_path_end(hit, tree)
+    return final, p.rows(final).argmax(-1)
 
 
 def _target_only_accept(p: _NodeRows, tree: _Tree, p_sum: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
@@ -544,10 +564,11 @@ def verify(
     _check_probs("target_probs", target_probs, tree)
     _check_probs("draft_probs", draft_probs, tree, vocab=target_probs.shape[-1])
     bsz, n = tree.parents.shape
+    _check_tokens(tree, target_probs.shape[-1])
     p = _NodeRows(target_probs, tree)
     if method == "greedy":
-        values, argmax = p.per_node(lambda x: x.max(-1))
-        if validate and bool((values.isnan() & tree.real).any()):
+        top = p.per_node(lambda x: x.amax(-1).float())  # [B, N]; NaN propagates
+        if validate and bool((top.isnan() & tree.real).any()):
             raise ValueError("target_probs contains NaN: check the target's logits")
     else:
         if uniforms is None:
@@ -569,7 +590,7 @@ def verify(
         if result is not None:
             return result
     if method == "greedy":
-        final, bonus = _verify_greedy(p, tree, argmax)
+        final, bonus = _verify_greedy(p, tree, top)
     elif method == "typical":
         final, bonus = _verify_typical(p, tree, uniforms, typical_epsilon, typical_delta)
     elif q is None:

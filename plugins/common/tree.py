@@ -307,6 +307,15 @@ class DraftTree:
         """(retrieve_index, retrieve_next_token, retrieve_next_sibling), Long [N] each."""
         return sglang_layout(self.parents)
 
+    def choices(self) -> list[list[int]]:
+        """Medusa choices of a TEMPLATE tree (tokens = top-k ranks): the rank path of
+        every draft node in node order; ``from_choices(t.choices())`` rebuilds ``t``."""
+        toks, pars = self.tokens.tolist(), self.parents.tolist()
+        paths: list[list[int]] = [[]]
+        for i in range(1, self.num_nodes):
+            paths.append(paths[pars[i]] + [toks[i]])
+        return paths[1:]
+
     def children(self, node: int) -> list[int]:
         return (self.parents == node).nonzero().flatten().tolist()
 

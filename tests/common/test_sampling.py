@@ -95,6 +95,15 @@ def test_greedy_chain_example():
     assert res.output_tokens(cands).tolist() == [[1, 2, 4, -1]]
 
 
+def test_greedy_ties_go_to_the_first_maximal_index():
+    logits = torch.tensor([[[1.0, 1.0, 0.0], [0.0, 2.0, 2.0], [0.0, 2.0, 2.0]]])
+    parents = torch.tensor([[-1, 0, 0]])
+    tie_loser = S.verify(torch.tensor([[0, 1, 2]]), parents, logits)  # argmax at root is 0, not 1
+    assert tie_loser.num_accepted.tolist() == [0] and tie_loser.bonus_token.tolist() == [0]
+    tie_winner = S.verify(torch.tensor([[0, 2, 0]]), parents, logits)
+    assert tie_winner.accepted_nodes.tolist() == [[0, 2]] and tie_winner.bonus_token.tolist() == [1]
+
+
 # --------------------------------------------------------------------------- layouts and randomness
 
 
@@ -250,6 +259,7 @@ def good():
         (dict(draft_probs=torch.full((1, 3, 5), 0.2)), ValueError, "vocab"),
         (dict(draft_probs=torch.full((1, 3, 4), 0.5)), ValueError, "draft_probs row"),
         (dict(method="beam"), ValueError, "method"),
+        (dict(candidates=torch.tensor([[0, 1, 4]])), ValueError, r"candidates\[0, 2\] = 4 is outside"),
         (dict(num_nodes=torch.tensor([4])), ValueError, "num_nodes"),
         (dict(num_nodes=torch.tensor([0])), ValueError, "num_nodes"),
         (dict(uniforms=torch.zeros(1, 3)), ValueError, "uniforms must be"),

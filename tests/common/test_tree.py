@@ -179,6 +179,19 @@ def test_optimal_sparse_matches_brute_force(seed):
         assert tau == pytest.approx(brute_force_best(acc, budget), abs=1e-12)
 
 
+def test_optimal_sparse_63_node_tree_round_trips_through_choices():
+    acc = [[0.6 * 0.8**h / (r + 1) for r in range(10)] for h in range(5)]  # Medusa-like: 5 heads, top-10
+    tree, tau = T.optimal_sparse(acc, 63)
+    assert tree.num_nodes == 64 and 1.0 < tau < 6.0
+    again = T.from_choices(tree.choices())
+    assert torch.equal(again.parents, tree.parents) and torch.equal(again.tokens, tree.tokens)
+    siblings_rank_first = all(
+        tree.tokens[kids].tolist() == sorted(tree.tokens[kids].tolist())
+        for kids in (tree.parents == p for p in range(tree.num_nodes))
+    )
+    assert siblings_rank_first
+
+
 def test_optimal_sparse_prefers_chain_when_first_head_is_sure_and_validates():
     tree, tau = T.optimal_sparse([[0.9, 0.05], [0.9, 0.05], [0.9, 0.05]], 3)
     assert tree.parents.tolist() == [-1, 0, 1, 2]
