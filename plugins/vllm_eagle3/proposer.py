@@ -65,11 +65,7 @@ def make_proposer_class(eagle_proposer_cls):
             self.specplug: AdapterSettings | None = None
             if section is None:
                 return
-            target = vllm_config.model_config
-            check_head_matches_target(
-                self.draft_model_config.hf_config, target.hf_text_config,
-                target.get_total_num_hidden_layers(), self.draft_model_config.model,
-            )
+            check_head_matches_target(self.draft_model_config.model, vllm_config.model_config.hf_text_config)
             self.specplug = adapter_settings(section)
             self._dense_head: DenseEagle3Head | None = None
             self._caches: dict[str, _DraftCache] = {}

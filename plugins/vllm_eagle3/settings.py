@@ -79,28 +79,18 @@ def adapter_settings(section: Mapping[str, Any], environ: Mapping[str, str] = os
     )
 
 
-def check_head_matches_target(head_config: Any, target_config: Any, num_target_layers: int,
-                              head_dir: str) -> None:
-    """Raise ValueError naming the first field where the head cannot draft for the target."""
-    eagle = getattr(head_config, "eagle_config", None) or {}
-    checks = [
-        ("target_hidden_size", getattr(head_config, "target_hidden_size", None) or head_config.hidden_size,
-         "hidden_size", target_config.hidden_size),
-        ("vocab_size", head_config.vocab_size, "vocab_size", target_config.vocab_size),
-    ]
-    for head_field, head_value, target_field, target_value in checks:
-        if head_value != target_value:
-            raise ValueError(
-                f"head {head_field} {head_value} does not match target {target_field} {target_value} "
-                f"(config.json of {head_dir}): train or convert a head for this target"
-            )
-    layer_ids = eagle.get("eagle_aux_hidden_state_layer_ids")
-    if layer_ids is not None:
-        ids = [int(i) for i in layer_ids]
-        if any(not 0 <= i < num_target_layers for i in ids) or ids != sorted(set(ids)):
-            # vLLM captures aux layers as sorted(set(ids)) and concatenates them in that order.
-            raise ValueError(
-                f"head eagle_aux_hidden_state_layer_ids {ids} must be distinct ascending ids in "
-                f"[0, {num_target_layers}) for this {num_target_layers}-layer target "
-                f"(config.json of {head_dir}): train or convert a head for this target"
-            )
+def check_head_matches_target(head_dir: str, target_config: Any) -> None:
+    """Raise ValueError naming the first field where the head cannot draft for the target:
+    specplug.common.formats' validation (hidden size, vocab, aux layer ids, shapes), plus
+    vLLM's own constraint that aux layer ids are ascending (vLLM captures
+    sorted(set(ids)) and concatenates them in that order)."""
+    from specplug.common import formats
+
+    head = formats.load_head(head_dir, target_config)
+    ids = (head.config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    if ids is not None and list(ids) != sorted(set(ids)):
+        raise ValueError(
+            f"head eagle_aux_hidden_state_layer_ids {list(ids)} must be distinct and ascending: "
+            f"vLLM concatenates the aux hidden states in ascending layer order (config.json of "
+            f"{head_dir}); fix: train or convert a head for this target with sorted ids"
+        )
