@@ -40,7 +40,7 @@ from typing import NamedTuple
 
 import torch
 
-from specplug.common.tree import check_parents, path_reduce, tree_depths
+from specplug.common.tree import check_parents, children_table, earlier_siblings, path_reduce, tree_depths
 
 logger = logging.getLogger(__name__)
 
@@ -340,12 +340,8 @@ def _check_sums(name: str, sums: torch.Tensor, rows: torch.Tensor, dtype) -> Non
 
 
 def _earlier_siblings(tree: _Tree) -> torch.Tensor:
-    """Bool [B, N, N]: [b, j, k] iff k < j are real siblings (same parent), j >= 1."""
-    p = tree.parents
-    n = p.shape[1]
-    same = (p.unsqueeze(2) == p.unsqueeze(1)) & (p.unsqueeze(2) >= 0)
-    earlier = torch.ones(n, n, dtype=torch.bool, device=p.device).tril(-1)
-    return same & earlier
+    """Bool [B, N, N]: [b, j, k] iff k < j are real siblings (padding parents are -1)."""
+    return earlier_siblings(tree.parents)
 
 
 def _duplicates(tree: _Tree, sib: torch.Tensor) -> torch.Tensor:
@@ -448,27 +444,13 @@ def _specinfer_residual(p_res: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     return torch.where(total > 0, res / total.clamp(min=1e-30), p_res)
 
 
-def _children_table(tree: _Tree) -> torch.Tensor:
-    """Long [B, N, C]: children of each node in id order, -1 padded (C = max fan-out)."""
-    sib = _earlier_siblings(tree)
-    rank = sib.sum(-1)  # [B, N]
-    child = tree.real & (tree.parents >= 0)
-    fan_out = int(rank[child].max()) + 1 if bool(child.any()) else 1
-    bsz, n = tree.parents.shape
-    table = torch.full((bsz, n + 1, fan_out), -1, dtype=torch.long, device=rank.device)
-    slot = torch.where(child, tree.parents, n)  # non-children go to scratch row n
-    ids = torch.arange(n, device=rank.device).expand(bsz, n)
-    table[torch.arange(bsz, device=rank.device).unsqueeze(1), slot, rank.clamp(max=fan_out - 1)] = ids
-    return table[:, :n]
-
-
 def _verify_draft_probs(p: _NodeRows, q: _NodeRows, tree: _Tree, p_sum: torch.Tensor, uniforms: torch.Tensor):
     """SpecInfer multi-draft rejection (Leviathan for chains), one level at a time.
 
     Works on the still-walking rows only; a row stops at a node none of whose children
     is accepted (a leaf included) and draws its final token from its residual there.
     """
-    table = _children_table(tree)  # [B, N, C]
+    table = children_table(tree.parents)  # [B, N, C]
     bsz = table.shape[0]
     cur = torch.zeros(bsz, dtype=torch.long, device=table.device)
     rows = torch.arange(bsz, device=table.device)  # [A] rows still walking

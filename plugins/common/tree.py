@@ -46,6 +46,8 @@ __all__ = [
     "tree_depths",
     "path_reduce",
     "sibling_rank",
+    "earlier_siblings",
+    "children_table",
     "ancestor_mask",
     "retrieve_paths",
     "sglang_layout",
@@ -204,12 +206,30 @@ def retrieve_paths(parents: torch.Tensor) -> torch.Tensor:
     return paths
 
 
+def earlier_siblings(parents: torch.Tensor) -> torch.Tensor:
+    """Bool [..., N, N]: ``[..., j, k]`` iff k < j and both have the same parent (>= 0)."""
+    n = parents.shape[-1]
+    same = (parents.unsqueeze(-1) == parents.unsqueeze(-2)) & (parents.unsqueeze(-1) >= 0)
+    return same & torch.ones(n, n, dtype=torch.bool, device=parents.device).tril(-1)
+
+
 def sibling_rank(parents: torch.Tensor) -> torch.Tensor:
     """Rank of each node among its siblings in node-id order: [..., N] -> [..., N] (root 0)."""
-    n = parents.shape[-1]
-    same = parents.unsqueeze(-1) == parents.unsqueeze(-2)  # [..., N, N]
-    earlier = torch.ones(n, n, dtype=torch.bool, device=parents.device).tril(-1)
-    return (same & earlier & (parents.unsqueeze(-1) >= 0)).sum(-1)
+    return earlier_siblings(parents).sum(-1)
+
+
+def children_table(parents: torch.Tensor) -> torch.Tensor:
+    """Children of every node in id order: parents [B, N] -> Long [B, N, C], -1 padded
+    (C = the largest fan-out in the batch, at least 1)."""
+    rank = sibling_rank(parents)  # [B, N]
+    child = parents >= 0
+    fan_out = int(rank[child].max()) + 1 if bool(child.any()) else 1
+    bsz, n = parents.shape
+    table = torch.full((bsz, n + 1, fan_out), -1, dtype=torch.long, device=parents.device)
+    slot = torch.where(child, parents, n)  # roots and padding go to scratch row n
+    ids = torch.arange(n, device=parents.device).expand(bsz, n)
+    table[torch.arange(bsz, device=parents.device).unsqueeze(1), slot, rank.clamp(max=fan_out - 1)] = ids
+    return table[:, :n]
 
 
 def sglang_layout(parents: torch.Tensor, num_nodes: torch.Tensor | None = None):

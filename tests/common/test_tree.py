@@ -84,6 +84,12 @@ def test_batched_helpers_match_single_trees_and_pad():
         assert idx[b, :n].tolist() == [b * 9 + i for i in range(n)] and (idx[b, n:] == -1).all()
         assert torch.equal(nxt[b, :n], t.sglang_layout()[1])
         assert torch.equal(sib[b, :n], t.sglang_layout()[2])
+    table = T.children_table(batch.parents)  # [B, N, C]
+    for b, t in enumerate(trees):
+        for node in range(9):
+            kids = [k for k in table[b, node].tolist() if k >= 0]
+            assert kids == (t.children(node) if node < t.num_nodes else [])
+            assert T.sibling_rank(batch.parents)[b, kids].tolist() == list(range(len(kids)))
     flat = T.flat_tree_masks(trees)
     assert flat.numel() == 1 + 16 + 81
     assert torch.equal(flat[17:], trees[2].attention_mask().flatten())
