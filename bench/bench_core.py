@@ -136,12 +136,13 @@ def plot(rows, methods, path: Path) -> bool:
         return False
     vocabs = sorted({r["vocab"] for r in rows})
     fig, axes = plt.subplots(1, len(vocabs), figsize=(6 * len(vocabs), 4), squeeze=False)
+    styles = ["-", "--", ":", "-."]
     for ax, vocab in zip(axes[0], vocabs):
-        for m in methods:
-            for bsz in sorted({r["batch"] for r in rows}):
+        for color, m in enumerate(methods):  # colour = method, line style = batch
+            for k, bsz in enumerate(sorted({r["batch"] for r in rows})):
                 pts = [(r["nodes"], r[m]) for r in rows if r["vocab"] == vocab and r["batch"] == bsz and r.get(m)]
                 if pts:
-                    ax.plot(*zip(*pts), marker="o", label=f"{m} B={bsz}")
+                    ax.plot(*zip(*pts), marker="o", color=f"C{color}", linestyle=styles[k % 4], label=f"{m} B={bsz}")
         ax.set(title=f"vocab {vocab}", xlabel="tree nodes", ylabel="us per verify", yscale="log")
     axes[0][-1].legend(fontsize=6)
     fig.tight_layout()
