@@ -596,50 +596,61 @@ def dynamic(
     Returns a TreeBatch with N = kept + 1 nodes per request and ``scores`` [B, N].
     """
     _validate_dynamic(root_tokens, root_logprobs, depth, topk, budget)
-    bsz = root_tokens.shape[0]
-    dev = root_tokens.device
     k = min(topk, root_logprobs.shape[-1])
     tokens, scores = _topk_children(root_logprobs.unsqueeze(1), k, token_map)  # [B, k]
-    tree_tokens = torch.cat([root_tokens.view(bsz, 1), tokens], 1)
-    tree_parents = torch.cat([torch.full((bsz, 1), -1, device=dev), torch.zeros(bsz, k, dtype=torch.long, device=dev)], 1)
-    tree_scores = torch.cat([torch.zeros(bsz, 1, dtype=scores.dtype, device=dev), scores], 1)
-    frontier_ids = torch.arange(1, k + 1, device=dev).expand(bsz, k)
-    parent_slot = torch.zeros(bsz, k, dtype=torch.long, device=dev)
-    expanded = [torch.zeros(bsz, 1, dtype=torch.long, device=dev), frontier_ids]  # node ids in call order
-    for d in range(1, depth):
-        front = _frontier(d, tree_tokens, tree_parents, frontier_ids, parent_slot, expanded)
+    front, tree_scores = _first_frontier(root_tokens, tokens, scores)
+    for _ in range(1, depth):
         logprobs = expand(front)
-        if logprobs.shape[:2] != (bsz, k):
-            raise ValueError(f"expand must return [B={bsz}, F={k}, V], got {tuple(logprobs.shape)}")
-        child_tokens, child_logp = _topk_children(logprobs, k, token_map)  # [B, k*k]
-        child_scores = tree_scores.gather(1, frontier_ids).repeat_interleave(k, 1) + child_logp
-        child_parents = frontier_ids.repeat_interleave(k, 1)
-        n0 = tree_tokens.shape[1]
-        tree_tokens = torch.cat([tree_tokens, child_tokens], 1)
-        tree_parents = torch.cat([tree_parents, child_parents], 1)
-        tree_scores = torch.cat([tree_scores, child_scores], 1)
-        best = child_scores.topk(k, dim=1).indices.sort(1).values  # [B, k] in drafting order
-        parent_slot = best // k
-        frontier_ids = best + n0
-        expanded.append(frontier_ids)
-    return _rerank(tree_tokens, tree_parents, tree_scores, budget)
+        if logprobs.shape[:2] != front.tokens.shape:
+            raise ValueError(f"expand must return [B, F] + [V] = {tuple(front.tokens.shape)} + [V], got {tuple(logprobs.shape)}")
+        front, tree_scores = _next_frontier(front, tree_scores, logprobs, token_map)
+    return _rerank(front.tree_tokens, front.tree_parents, tree_scores, budget)
 
 
-def _frontier(d, tree_tokens, tree_parents, frontier_ids, parent_slot, expanded) -> Frontier:
-    run = torch.cat(expanded, 1)  # [B, E] node ids the drafter has run, in call order
-    anc = ancestor_mask(tree_parents)  # [B, n, n]
-    rows = anc.gather(1, frontier_ids.unsqueeze(-1).expand(-1, -1, anc.shape[-1]))  # [B, F, n]
-    mask = rows.gather(2, run.unsqueeze(1).expand(-1, frontier_ids.shape[1], -1))  # [B, F, E]
-    return Frontier(
-        depth=d,
-        tokens=tree_tokens.gather(1, frontier_ids),
-        node_ids=frontier_ids,
-        parent_slot=parent_slot,
-        tree_tokens=tree_tokens,
-        tree_parents=tree_parents,
-        expanded_mask=mask,
-        positions=torch.full_like(frontier_ids, d),
+def _first_frontier(root_tokens, tokens, scores) -> tuple[Frontier, torch.Tensor]:
+    """Depth 1: the root's top-k children (tokens, scores [B, k]); also all scores [B, 1 + k]."""
+    bsz, k = tokens.shape
+    dev = tokens.device
+    node_ids = torch.arange(1, k + 1, device=dev).expand(bsz, k)
+    root_col = torch.ones(bsz, k, 1, dtype=torch.bool, device=dev)
+    front = Frontier(
+        depth=1,
+        tokens=tokens,
+        node_ids=node_ids,
+        parent_slot=torch.zeros(bsz, k, dtype=torch.long, device=dev),
+        tree_tokens=torch.cat([root_tokens.view(bsz, 1), tokens], 1),
+        tree_parents=torch.cat([torch.full((bsz, 1), -1, device=dev), torch.zeros_like(node_ids)], 1),
+        expanded_mask=torch.cat([root_col, _self_mask(bsz, k, dev)], 2),  # [B, k, 1 + k]
+        positions=torch.ones_like(node_ids),
     )
+    return front, torch.cat([torch.zeros(bsz, 1, dtype=scores.dtype, device=dev), scores], 1)
+
+
+def _self_mask(bsz: int, k: int, dev) -> torch.Tensor:
+    return torch.eye(k, dtype=torch.bool, device=dev).expand(bsz, k, k)
+
+
+def _next_frontier(front: Frontier, tree_scores, logprobs, token_map) -> tuple[Frontier, torch.Tensor]:
+    """Draft top-k children of every frontier node (logprobs [B, F, V']); the k best by
+    cumulative score form the next frontier. Returns it and the scores of all nodes."""
+    bsz, k = front.tokens.shape
+    child_tokens, child_logp = _topk_children(logprobs, k, token_map)  # [B, k*k], (slot, rank) order
+    child_scores = tree_scores.gather(1, front.node_ids).repeat_interleave(k, 1) + child_logp
+    n0 = front.tree_tokens.shape[1]
+    best = child_scores.topk(k, dim=1).indices.sort(1).values  # [B, k] in drafting order
+    parent_slot = best // k
+    inherited = front.expanded_mask.gather(1, parent_slot.unsqueeze(-1).expand(-1, -1, front.expanded_mask.shape[-1]))
+    nxt = Frontier(
+        depth=front.depth + 1,
+        tokens=child_tokens.gather(1, best),
+        node_ids=best + n0,
+        parent_slot=parent_slot,
+        tree_tokens=torch.cat([front.tree_tokens, child_tokens], 1),
+        tree_parents=torch.cat([front.tree_parents, front.node_ids.repeat_interleave(k, 1)], 1),
+        expanded_mask=torch.cat([inherited, _self_mask(bsz, k, best.device)], 2),  # parent's row + self
+        positions=torch.full_like(best, front.depth + 1),
+    )
+    return nxt, torch.cat([tree_scores, child_scores], 1)
 
 
 def _rerank(tree_tokens, tree_parents, tree_scores, budget) -> TreeBatch:
