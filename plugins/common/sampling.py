@@ -545,38 +545,49 @@ def verify(
     tree = _check_tree(candidates, parents, num_nodes)
     _check_probs("target_probs", target_probs, tree)
     _check_probs("draft_probs", draft_probs, tree, vocab=target_probs.shape[-1])
-    bsz, n = tree.parents.shape
     _check_tokens(tree, target_probs.shape[-1])
-    p = _NodeRows(target_probs, tree)
-    if method == "greedy":
-        top = p.per_node(lambda x: x.amax(-1).float())  # [B, N]; NaN propagates
-        if validate and bool((top.isnan() & tree.real).any()):
-            raise ValueError("target_probs contains NaN: check the target's logits")
-    else:
+    if method != "greedy":
         if uniforms is None:
-            uniforms = draw_uniforms(bsz, n, generators, device=target_probs.device)
+            uniforms = draw_uniforms(*tree.parents.shape, generators, device=target_probs.device)
         uniforms = _check_uniforms(uniforms.to(target_probs.device), tree)
-        p_sum = p.per_node(lambda x: x.sum(-1, dtype=torch.float32))  # [B, N]
-        if validate:
-            _check_sums("target_probs", p_sum, tree.real, target_probs.dtype)
-    q = None
-    if method == "rejection" and draft_probs is not None:
-        q = _NodeRows(draft_probs, tree)
-        if validate:
-            has_child = torch.zeros_like(tree.real)
-            has_child.scatter_(1, tree.parents.clamp(min=0), tree.real & (tree.parents >= 0))
-            _check_sums("draft_probs", q.per_node(lambda x: x.sum(-1, dtype=torch.float32)), has_child, draft_probs.dtype)
+    p = _NodeRows(target_probs, tree)
+    q = _NodeRows(draft_probs, tree) if method == "rejection" and draft_probs is not None else None
+    reduced = _validate_values(p, q, tree, method) if validate else None
     if target_probs.is_cuda and method != "typical":
-        result = _try_cuda(candidates, tree.parents, target_probs, draft_probs if q is not None else None,
+        result = _try_cuda(candidates, tree.parents, target_probs, None if q is None else draft_probs,
                            method, tree.num_nodes, uniforms)
         if result is not None:
             return result
+    reduced = _reduce_rows(p, method) if reduced is None else reduced
     if method == "greedy":
-        final, bonus = _verify_greedy(p, tree, top)
+        final, bonus = _verify_greedy(p, tree, reduced)
     elif method == "typical":
         final, bonus = _verify_typical(p, tree, uniforms, typical_epsilon, typical_delta)
     elif q is None:
-        final, bonus = _verify_target_only(p, tree, p_sum, uniforms)
+        final, bonus = _verify_target_only(p, tree, reduced, uniforms)
     else:
-        final, bonus = _verify_draft_probs(p, q, tree, p_sum, uniforms)
+        final, bonus = _verify_draft_probs(p, q, tree, reduced, uniforms)
     return _result(final, bonus, tree)
+
+
+def _reduce_rows(p: _NodeRows, method: str) -> torch.Tensor:
+    """Float [B, N]: each row's max (greedy; NaN propagates) or its sum (float32)."""
+    if method == "greedy":
+        return p.per_node(lambda x: x.amax(-1).float())
+    return p.per_node(lambda x: x.sum(-1, dtype=torch.float32))
+
+
+def _validate_values(p: _NodeRows, q: _NodeRows | None, tree: _Tree, method: str) -> torch.Tensor:
+    """Raise on NaN logits (greedy) or rows that are not distributions; returns
+    :func:`_reduce_rows` of p, which the torch path reuses."""
+    reduced = _reduce_rows(p, method)
+    if method == "greedy":
+        if bool((reduced.isnan() & tree.real).any()):
+            raise ValueError("target_probs contains NaN: check the target's logits")
+        return reduced
+    _check_sums("target_probs", reduced, tree.real, p.x.dtype)
+    if q is not None:
+        has_child = torch.zeros_like(tree.real)
+        has_child.scatter_(1, tree.parents.clamp(min=0), tree.real & (tree.parents >= 0))
+        _check_sums("draft_probs", _reduce_rows(q, method), has_child, q.x.dtype)
+    return reduced

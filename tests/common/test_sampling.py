@@ -289,3 +289,12 @@ def test_padding_rows_are_not_validated():
     kw["target_probs"][0, 2] = float("nan")
     res = S.verify(**kw, method="rejection", num_nodes=torch.tensor([2]))
     assert res.accepted_nodes.shape == (1, 2)
+
+
+def test_validate_false_skips_only_the_value_checks():
+    kw = dict(good(), method="rejection", uniforms=torch.rand(1, 4, generator=torch.Generator().manual_seed(0)))
+    assert all(torch.equal(a, b) for a, b in zip(S.verify(**kw), S.verify(**kw, validate=False)))
+    kw["target_probs"] = torch.full((1, 3, 4), 0.3)  # sums to 1.2: only the value check objects
+    S.verify(**kw, validate=False)
+    with pytest.raises(ValueError, match="not a tree"):
+        S.verify(**dict(kw, parents=torch.tensor([[-1, 2, 0]])), validate=False)
