@@ -34,6 +34,7 @@ logger = logging.getLogger(__name__)
 PROJECT = "specplug"
 ENTRY_POINT_GROUP = "specplug"
 HOOKS = ("specplug_drafters", "specplug_tree_builders", "specplug_samplers")
+BUILTIN_NAME = "specplug.builtins"  # also the name of specplug's own entry point in the group
 
 hookspec = pluggy.HookspecMarker(PROJECT)
 hookimpl = pluggy.HookimplMarker(PROJECT)
@@ -104,16 +105,19 @@ class _Builtins:
         return {m: functools.partial(sampling.verify, method=m) for m in sampling.METHODS}
 
 
+BUILTINS = _Builtins()
+
+
 def make_plugin_manager(load_entrypoints: bool = True) -> pluggy.PluginManager:
     """A fresh manager with the hook specs, the built-ins and (by default) every plugin
     advertised under the entry-point group ``specplug``."""
     pm = pluggy.PluginManager(PROJECT)
     pm.add_hookspecs(SpecplugHooks)
-    pm.register(_Builtins(), name="specplug.builtins")
+    pm.register(BUILTINS, name=BUILTIN_NAME)  # before entry points: ours is then skipped
     if load_entrypoints:
         count = pm.load_setuptools_entrypoints(ENTRY_POINT_GROUP)
         if count:
-            names = [n for n, _ in pm.list_name_plugin() if n != "specplug.builtins"]
+            names = [n for n, _ in pm.list_name_plugin() if n != BUILTIN_NAME]
             logger.info("specplug: loaded %d plugin(s) from entry points: %s", count, ", ".join(names))
     return pm
 

@@ -86,3 +86,20 @@ def test_hook_must_return_a_dict():
     pm.register(Bad(), name="bad")
     with pytest.raises(TypeError, match="'bad'.*dict"):
         hooks.drafters(pm)
+
+
+def test_pyproject_declares_the_group_and_our_entry_point_is_not_loaded_twice(tmp_path, monkeypatch):
+    import tomllib
+    from pathlib import Path
+
+    pyproject = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())
+    group = pyproject["project"]["entry-points"][hooks.ENTRY_POINT_GROUP]
+    assert group[hooks.BUILTIN_NAME] == "specplug.common.hooks:BUILTINS"
+    # an installed copy of that entry point must be skipped, not registered a second time
+    dist = tmp_path / "specplug_again-0.1.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: specplug-again\nVersion: 0.1\n")
+    (dist / "entry_points.txt").write_text(f"[specplug]\n{hooks.BUILTIN_NAME} = specplug.common.hooks:BUILTINS\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    pm = hooks.make_plugin_manager()
+    assert set(hooks.samplers(pm)) >= {"greedy", "rejection", "typical"}
