@@ -26,6 +26,7 @@ import torch
 
 from specplug.common import sampling
 from specplug.common.drafters import MedusaDrafter
+from specplug.common.metrics import AcceptanceStats
 from specplug.common.tree import DraftTree, TreeBatch
 from specplug.sglang_medusa.settings import MedusaSettings, settings_from_server_args
 
@@ -41,28 +42,6 @@ try:  # SGLang is present whenever this module is imported by the worker factory
     from sglang.srt.speculative.spec_utils import move_accept_tokens_to_target_kvcache
 except ImportError as exc:  # pragma: no cover - import-time guard for engine-free installs
     raise ImportError("specplug.sglang_medusa.worker needs SGLang 0.5.23: pip install 'specplug[sglang]'") from exc
-
-
-class AcceptanceStats:
-    """Per-position acceptance: accepted[j] counts verify steps that accepted >= j + 1
-    draft tokens; steps counts verify steps per request. tau = 1 + sum(accepted) / steps."""
-
-    def __init__(self, depth: int):
-        self.accepted = torch.zeros(depth, dtype=torch.long)
-        self.steps = 0
-
-    def update(self, num_accepted: torch.Tensor) -> None:
-        """num_accepted [B] draft tokens accepted this step."""
-        positions = torch.arange(self.accepted.numel())
-        self.accepted += (num_accepted.cpu()[:, None] > positions[None, :]).sum(0)
-        self.steps += num_accepted.numel()
-
-    def per_position(self) -> list[float]:
-        return (self.accepted.double() / max(self.steps, 1)).tolist()
-
-    @property
-    def tau(self) -> float:
-        return 1.0 + float(self.accepted.sum()) / max(self.steps, 1)
 
 
 class MedusaWorker(BaseSpecWorker):
@@ -87,7 +66,7 @@ class MedusaWorker(BaseSpecWorker):
                 f"MEDUSA tree has {self.num_nodes} nodes but speculative_num_draft_tokens is "
                 f"{cfg.speculative_num_draft_tokens}: leave --speculative-num-draft-tokens "
                 "unset or give the tree's node count")
-        self.stats = AcceptanceStats(self.template.max_depth)
+        self.stats = AcceptanceStats()  # this worker's verify steps, all requests
         self.generator = torch.Generator(device="cpu").manual_seed(int(server_args.random_seed or 0))
         self._layout = self._tree_layout()
         logger.info("MEDUSA worker: %d heads, %d-node tree (depth %d), %s verification", self.drafter.heads.num_heads,
@@ -220,11 +199,15 @@ class MedusaWorker(BaseSpecWorker):
             p = sampling.process_logits(
                 logits, temperature=info.temperatures.view(-1).repeat_interleave(n),
                 top_k=info.top_ks.view(-1).repeat_interleave(n), top_p=info.top_ps.view(-1).repeat_interleave(n))
+            if info.need_min_p_sampling:
+                p = _apply_min_p(p, info.min_ps.view(-1).repeat_interleave(n))
             verdict = sampling.verify(
                 tree.candidates, tree.parents, p.view(bs, n, -1), method=self.settings.method,
                 generators=[self.generator] * bs, typical_epsilon=self.settings.typical_epsilon,
                 typical_delta=self.settings.typical_delta)
-        self.stats.update(verdict.num_accepted)
+        self.stats.update(verdict.num_accepted, torch.full((bs,), n - 1))
+        if self.stats.num_steps % 1000 < bs:
+            logger.debug("MEDUSA acceptance so far: %s", self.stats.as_dict())
         return verdict
 
     def _sglang_outputs(self, tree: TreeBatch, verdict: sampling.VerifyResult):
@@ -259,6 +242,13 @@ class MedusaWorker(BaseSpecWorker):
                            for b in range(bs)]
         self.drafter.commit([req.rid for req in batch.reqs], accepted_tokens, hidden[rows][:, None],
                             verdict.bonus_token)
+
+
+def _apply_min_p(p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """SGLang's min-p: drop tokens below min_p * max(p) per row, renormalise. p [R, V]."""
+    keep = p >= min_p[:, None] * p.max(dim=-1, keepdim=True).values
+    p = torch.where(keep, p, torch.zeros_like(p))
+    return p / p.sum(dim=-1, keepdim=True)
 
 
 def _apply_penalties(logits: torch.Tensor, info, n: int) -> torch.Tensor:

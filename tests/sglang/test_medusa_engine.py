@@ -59,6 +59,7 @@ def test_acceptance_equals_engine_free_reference_loop(medusa, sgl_model, medusa_
     from specplug.common.formats import load_head_module
     from specplug.sglang_medusa.settings import read_head_section
     from specplug.common.tree import TreeConfig
+    from specplug.sglang_medusa.metrics import acceptance_from_meta_info
 
     target = AutoModelForCausalLM.from_pretrained(sgl_model, dtype=torch.float32).eval()
     _, section = read_head_section(str(medusa_heads))
@@ -70,6 +71,8 @@ def test_acceptance_equals_engine_free_reference_loop(medusa, sgl_model, medusa_
         meta = out["meta_info"]
         assert meta["spec_verify_ct"] == ref.steps
         assert meta["spec_accept_length"] == pytest.approx(len(ref.tokens) / ref.steps, abs=1e-6)
+        stats = acceptance_from_meta_info([meta])
+        assert stats.num_steps == ref.steps and stats.acceptance_per_pos == pytest.approx(ref.acceptance_per_position)
 
 
 def _token_counts(outputs, position):
