@@ -58,6 +58,10 @@ def handle_server_args(server_args) -> None:
 
     cfg = resolving_view(server_args)
     settings = settings_from_server_args(cfg)
+    given = cfg.speculative_num_draft_tokens
+    if given is not None and given != settings.num_nodes:
+        logger.warning("MEDUSA: --speculative-num-draft-tokens %d replaced by the tree's node count %d "
+                       "(the tree cannot hold more nodes)", given, settings.num_nodes)
     server_args.speculative_num_draft_tokens = settings.num_nodes
     server_args.speculative_num_steps = settings.tree.depth
     server_args.speculative_eagle_topk = settings.tree.topk
