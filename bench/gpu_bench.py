@@ -74,7 +74,7 @@ def make_case(method: str, batch: int, nodes: int, vocab: int, dtype, gen: torch
     logits = torch.randn(batch, nodes, vocab, device="cuda", dtype=torch.float32) * 4
     if method == "greedy":
         target, draft, method_name = logits.to(dtype), None, "greedy"
-        follow = logits.argmax(-1)
+        follow = target.float().argmax(-1)
     else:
         target = torch.softmax(logits, -1).to(dtype)
         method_name = "rejection"
@@ -193,6 +193,11 @@ def markdown(rows, meta) -> str:
     return "\n".join(lines)
 
 
+def write_outputs(rows, meta, out: Path) -> None:
+    out.with_suffix(".md").write_text(markdown(rows, meta) + "\n")
+    out.with_suffix(".json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
+
+
 def plot(rows, path: Path) -> None:
     try:
         import matplotlib
@@ -227,6 +232,11 @@ def main(argv=None) -> int:
     gen = torch.Generator().manual_seed(args.seed)
     bandwidth = measure_bandwidth()
     dtype = DTYPES[args.dtype]
+    meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, cuda=torch.version.cuda,
+                dtype=args.dtype, bandwidth_gbs=bandwidth / 1e9, seed=args.seed, host=platform.node(),
+                schedule=vars(dispatch.SCHEDULE))
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
     rows = []
     for method in args.methods:
         for batch in args.batch:
@@ -234,17 +244,10 @@ def main(argv=None) -> int:
                 for vocab in args.vocab:
                     rows.append(bench_cell(method, batch, nodes, vocab, dtype, args, bandwidth, gen))
                     print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+                    write_outputs(rows, meta, out)  # after every cell: a cut run keeps its numbers
                     torch.cuda.empty_cache()
-    meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, cuda=torch.version.cuda,
-                dtype=args.dtype, bandwidth_gbs=bandwidth / 1e9, seed=args.seed, host=platform.node(),
-                schedule=vars(dispatch.SCHEDULE))
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    table = markdown(rows, meta)
-    out.with_suffix(".md").write_text(table + "\n")
-    out.with_suffix(".json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
     plot(rows, out.with_suffix(".png"))
-    print(table)
+    print(markdown(rows, meta))
     return 0
 
 
