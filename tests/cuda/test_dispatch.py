@@ -97,6 +97,15 @@ def test_misaligned_draft_rows_are_declined():
     assert "aligned" in dispatch.input_reason(cand, par, p, q, "rejection", None, torch.rand(2, 4))
 
 
+def fresh_build() -> build.Build:
+    """load_extension() outside its per-process cache (the cache is cleared again after)."""
+    build.load_extension.cache_clear()
+    try:
+        return build.load_extension()
+    finally:
+        build.load_extension.cache_clear()
+
+
 def test_failed_build_is_reported_not_raised(monkeypatch):
     from torch.utils import cpp_extension
 
@@ -107,11 +116,7 @@ def test_failed_build_is_reported_not_raised(monkeypatch):
     monkeypatch.setattr(torch.version, "cuda", "13.0")
     monkeypatch.setattr(cpp_extension, "CUDA_HOME", "/usr/local/cuda")
     monkeypatch.setattr(cpp_extension, "load", failing_load)
-    build.load_extension.cache_clear()
-    try:
-        result = build.load_extension()
-    finally:
-        build.load_extension.cache_clear()
+    result = fresh_build()
     assert result.module is None
     assert result.error.startswith("RuntimeError: Error building extension")
 
@@ -120,11 +125,7 @@ def test_no_gpu_build_says_why(monkeypatch):
     if torch.cuda.is_available():
         pytest.skip("a GPU is present: the build is exercised by test_parity.py")
     monkeypatch.delenv("TORCH_CUDA_ARCH_LIST", raising=False)
-    build.load_extension.cache_clear()
-    try:
-        result = build.load_extension()
-    finally:
-        build.load_extension.cache_clear()
+    result = fresh_build()
     assert result.module is None
     assert "without CUDA" in result.error or "sees no CUDA device" in result.error
 
