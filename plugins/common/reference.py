@@ -106,6 +106,7 @@ class _Loop:
 
     def __init__(self, target, drafter: Drafter, sampling: SamplingConfig, method: str):
         self.target, self.drafter, self.sampling, self.method = target, drafter, sampling, method
+        self.rid = ("specplug.reference", id(self))  # never collides with a caller's request ids
         self.device = next(target.parameters()).device
         self.dtype = next(target.parameters()).dtype
         self.layer_ids = drafter.target_hidden_layers(target.config.num_hidden_layers)
@@ -124,7 +125,7 @@ class _Loop:
         root = prompt[-1:]
         # the first token: a root-only tree, so the one sampler of sampling.verify draws it
         first = self.verify(DraftTree(root, torch.tensor([-1])), out.logits[:, -1:]).bonus_token
-        self.drafter.prefill([0], [prompt], [_hidden(out, self.layer_ids)], first)
+        self.drafter.prefill([self.rid], [prompt], [_hidden(out, self.layer_ids)], first)
         return int(first[0])
 
     def verify(self, tree: DraftTree, logits: torch.Tensor):
@@ -146,7 +147,7 @@ class _Loop:
         _keep_cache(self.cache, self.past_len, path)
         self.past_len += path.shape[0]
         accepted = tree.tokens[path[1:]]
-        self.drafter.commit([0], [accepted], [_hidden(out, self.layer_ids)[path.to(self.device)]],
+        self.drafter.commit([self.rid], [accepted], [_hidden(out, self.layer_ids)[path.to(self.device)]],
                             result.bonus_token)
         return accepted.tolist() + [int(result.bonus_token[0])], path.shape[0] - 1
 
@@ -180,13 +181,13 @@ def generate(target, drafter: Drafter, prompt_ids, max_new_tokens: int, *, tree:
     stats = AcceptanceStats()
     try:
         while len(tokens) < max_new_tokens and tokens[-1] not in eos:
-            draft_tree = drafter.draft([0], tree).unbind()[0]
+            draft_tree = drafter.draft([loop.rid], tree).unbind()[0]
             emitted, accepted = loop.step(draft_tree)
             tokens += emitted
             num_accepted.append(accepted)
             stats.update(torch.tensor([accepted]), draft_tree.num_nodes - 1)
     finally:
-        drafter.release([0])
+        drafter.release([loop.rid])
     tokens = _cut(tokens, eos, max_new_tokens)
     result = GenerationResult(tokens, num_accepted, stats, time.perf_counter() - start)
     logger.debug("reference loop: %d tokens, %d steps, tau %.2f", len(tokens), result.steps, result.tau)
