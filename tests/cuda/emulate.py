@@ -57,11 +57,18 @@ def run_emulated(binary: Path, candidates, parents, target, draft=None, *, metho
                  mode="rows", splits=3, offset_elems=0):
     """The emulated kernel's VerifyResult fields (accepted_nodes narrowed to D+1, as
     try_verify does). ``offset_elems`` shifts the target's base address off 64 bytes."""
-    batch, nodes = candidates.shape
     code = dispatch._method_code(method, draft)
+    accepted, num_accepted, bonus, depth = _run(binary, candidates, parents, target, draft, code, num_nodes,
+                                                uniforms, dispatch.MODE_CODES[mode], splits, offset_elems)
+    return accepted[:, : int(depth.max()) + 1], num_accepted, bonus
+
+
+def _run(binary, candidates, parents, target, draft, code, num_nodes, uniforms, mode_code, splits, offset_elems=0):
+    """Raw outputs (accepted_nodes [B, N], num_accepted, bonus_token, tree_depth)."""
+    batch, nodes = candidates.shape
     flat = target.dim() == 2
     vocab = target.shape[-1]
-    mode_code = dispatch.MODE_CODES[mode]
+    has_draft = draft is not None and code == dispatch.METHOD_CODES["draft_rejection"]
     with tempfile.TemporaryDirectory() as tmp:
         d = Path(tmp)
         _write(d / "target.bin", target)
@@ -71,17 +78,34 @@ def run_emulated(binary: Path, candidates, parents, target, draft=None, *, metho
             _write(d / "num_nodes.bin", num_nodes.long())
         if uniforms is not None:
             _write(d / "uniforms.bin", uniforms.float())
-        if draft is not None and code == dispatch.METHOD_CODES["draft_rejection"]:
+        if has_draft:
             _write(d / "draft.bin", draft)
         meta = [batch, nodes, vocab, DTYPE_CODES[target.dtype], code, mode_code, splits, int(flat),
                 target.shape[0] if flat else batch * nodes, int(num_nodes is not None), int(uniforms is not None),
-                int(draft is not None and code == 2), nodes + 1 if uniforms is not None else 0,
+                int(has_draft), uniforms.shape[1] if uniforms is not None else 0,
                 0 if flat else nodes * vocab, vocab, offset_elems * target.element_size()]
         (d / "meta.txt").write_text(" ".join(map(str, meta)))
         done = subprocess.run([str(binary), str(d)], capture_output=True, text=True, timeout=600)
         if done.returncode:
             raise RuntimeError(f"emulated kernel failed ({done.returncode}): {done.stderr[-2000:]}")
         out = torch.from_numpy(np.fromfile(d / "out.bin", dtype=np.int64))
-    accepted, rest = out[: batch * nodes].view(batch, nodes), out[batch * nodes:]
-    num_accepted, bonus, depth = rest[:batch], rest[batch: 2 * batch], rest[2 * batch:]
-    return accepted[:, : int(depth.max()) + 1], num_accepted, bonus
+    rest = out[batch * nodes:]
+    return out[: batch * nodes].view(batch, nodes), rest[:batch], rest[batch: 2 * batch], rest[2 * batch:]
+
+
+class EmulatedExtension:
+    """Stands in for the built extension on CPU tensors: the binding's argument names
+    (verify_binding.cpp's py::arg list), the emulated kernel behind them."""
+
+    def __init__(self, binary: Path):
+        self.binary = binary
+
+    @staticmethod
+    def workspace_bytes(batch, nodes, splits):
+        return 256 + batch * nodes * max(splits, 1) * 8
+
+    def verify(self, target, draft, candidates, parents, num_nodes, uniforms, accepted_nodes, num_accepted,
+               bonus_token, tree_depth, workspace, method, mode, splits, stream):
+        outs = _run(self.binary, candidates, parents, target, draft, method, num_nodes, uniforms, mode, splits)
+        for dst, src in zip((accepted_nodes, num_accepted, bonus_token, tree_depth), outs):
+            dst.copy_(src)

@@ -3,7 +3,10 @@ one INFO line, that a failed build never raises, and how the schedule is chosen.
 
 from __future__ import annotations
 
+import inspect
 import logging
+import re
+import shutil
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -12,6 +15,8 @@ import torch
 
 from specplug.common import sampling as S
 from specplug.common.cuda import build, dispatch, try_verify
+from tests.cuda.cases import dyadic_probs, flatten, plant, random_trees, sample_rows
+from tests.cuda.emulate import EmulatedExtension, build_emulator
 
 LOGGER = "specplug.common.cuda.dispatch"
 
@@ -154,3 +159,39 @@ def test_limits_match_the_header():
     header = (build.SOURCE_DIR / "verify.h").read_text()
     assert f"SPECPLUG_MAX_NODES = {dispatch.MAX_NODES}" in header
     assert f"SPECPLUG_MAX_VOCAB = {dispatch.MAX_VOCAB}" in header
+
+
+def test_the_stand_in_has_the_bindings_argument_names():
+    names = re.findall(r'py::arg\("(\w+)"\)', (build.SOURCE_DIR / "verify_binding.cpp").read_text())
+    verify = list(inspect.signature(EmulatedExtension.verify).parameters)[1:]
+    workspace = list(inspect.signature(EmulatedExtension.workspace_bytes).parameters)
+    assert names == verify + workspace
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("g++") is None, reason="the CPU emulator needs g++")
+def test_launch_end_to_end_through_the_binding_interface(monkeypatch, tmp_path):
+    """dispatch.launch -> (binding's named arguments) -> emulated kernel == sampling.verify,
+    for each rule, both layouts and both schedules."""
+    ext = EmulatedExtension(build_emulator(tmp_path))
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: SimpleNamespace(multi_processor_count=2))
+    monkeypatch.setattr(dispatch, "_stream_handle", lambda device: 0)
+    gen = torch.Generator().manual_seed(21)
+    trees = random_trees(gen, 4, 9, 301)
+    logits = torch.randn(4, 9, 301, generator=gen) * 6
+    p = dyadic_probs(logits, torch.float32)
+    q = dyadic_probs(logits + torch.randn(4, 9, 301, generator=gen), torch.float32)
+    trees = plant(gen, trees, sample_rows(gen, q), rate=0.8)
+    u = torch.rand(4, 10, generator=gen)
+    for mode in ("rows", "path"):
+        monkeypatch.setenv(dispatch.MODE_ENV, mode)
+        for flat in (False, True):
+            shape = (lambda x: flatten(x, trees.num_nodes)) if flat else (lambda x: x)  # noqa: E731
+            for method, target, draft, uniforms in (("greedy", logits, None, None), ("rejection", p, None, u),
+                                                     ("rejection", p, q, u)):
+                args = (trees.candidates, trees.parents, shape(target), None if draft is None else shape(draft))
+                ref = S.verify(*args, method=method, num_nodes=trees.num_nodes, uniforms=uniforms)
+                code = dispatch._method_code(method, draft)
+                got = dispatch.launch(ext, *args, code, trees.num_nodes, uniforms)
+                for g, r in zip(got, ref):
+                    assert torch.equal(g, r), (mode, flat, method, draft is not None)

@@ -123,6 +123,11 @@ def schedule(method_code: int, batch: int, nodes: int, vocab: int, elem_bytes: i
     return MODE_CODES["rows"], max(1, min(wanted, largest))
 
 
+def _stream_handle(device) -> int:
+    """The current CUDA stream of ``device`` as an integer (a cudaStream_t)."""
+    return torch.cuda.current_stream(device).cuda_stream
+
+
 def _long(x: torch.Tensor, device) -> torch.Tensor:
     return x.to(device=device, dtype=torch.long).contiguous()
 
@@ -142,23 +147,21 @@ def launch(ext, candidates, parents, target_probs, draft_probs, method_code, num
         bonus_token=torch.empty(batch, dtype=torch.long, device=device),
         tree_depth=torch.empty(batch, dtype=torch.long, device=device),
     )
-    workspace = torch.empty(ext.workspace_bytes(batch, nodes, splits), dtype=torch.uint8, device=device)
+    workspace = torch.empty(ext.workspace_bytes(batch=batch, nodes=nodes, splits=splits), dtype=torch.uint8,
+                            device=device)
     ext.verify(
-        target_probs,
-        draft_probs if method_code == METHOD_CODES["draft_rejection"] else None,
-        _long(candidates, device),
-        _long(parents, device),
-        None if num_nodes is None else _long(num_nodes, device),
-        None if uniforms is None else uniforms.to(device).contiguous(),
-        out["accepted_nodes"],
-        out["num_accepted"],
-        out["bonus_token"],
-        out["tree_depth"],
-        workspace,
-        method_code,
-        mode,
-        splits,
-        torch.cuda.current_stream(device).cuda_stream,
+        target=target_probs,
+        draft=draft_probs if method_code == METHOD_CODES["draft_rejection"] else None,
+        candidates=_long(candidates, device),
+        parents=_long(parents, device),
+        num_nodes=None if num_nodes is None else _long(num_nodes, device),
+        uniforms=None if uniforms is None else uniforms.to(device).contiguous(),
+        workspace=workspace,
+        method=method_code,
+        mode=mode,
+        splits=splits,
+        stream=_stream_handle(device),
+        **out,
     )
     depth = int(out["tree_depth"].max()) if max_depth is None else int(max_depth)
     return out["accepted_nodes"][:, : depth + 1], out["num_accepted"], out["bonus_token"]

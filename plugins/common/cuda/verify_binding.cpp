@@ -115,8 +115,13 @@ int64_t workspace_bytes(int64_t batch, int64_t nodes, int64_t splits) {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "specplug fused tree-verification kernels";
-  m.def("verify", &verify, "Verify a batch of draft trees on the GPU (see verify.h)");
-  m.def("workspace_bytes", &workspace_bytes, "Scratch bytes verify needs for (batch, nodes, splits)");
+  // Named arguments: Python passes them by keyword (tests check the names match).
+  m.def("verify", &verify, "Verify a batch of draft trees on the GPU (see verify.h)", py::arg("target"),
+        py::arg("draft"), py::arg("candidates"), py::arg("parents"), py::arg("num_nodes"), py::arg("uniforms"),
+        py::arg("accepted_nodes"), py::arg("num_accepted"), py::arg("bonus_token"), py::arg("tree_depth"),
+        py::arg("workspace"), py::arg("method"), py::arg("mode"), py::arg("splits"), py::arg("stream"));
+  m.def("workspace_bytes", &workspace_bytes, "Scratch bytes verify needs for (batch, nodes, splits)",
+        py::arg("batch"), py::arg("nodes"), py::arg("splits"));
   m.attr("MAX_NODES") = static_cast<int>(SPECPLUG_MAX_NODES);
   m.attr("MAX_VOCAB") = static_cast<int>(SPECPLUG_MAX_VOCAB);
   m.attr("GREEDY") = static_cast<int>(SPECPLUG_GREEDY);
