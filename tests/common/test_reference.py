@@ -272,3 +272,15 @@ def test_bad_arguments(target):
         generate(target, make_drafter("medusa", target), torch.zeros(2, 3, dtype=torch.long), 4)
     with pytest.raises(ValueError, match="max_new_tokens"):
         generate(target, make_drafter("medusa", target), PROMPT, 0)
+
+
+def test_typical_acceptance_runs_and_is_labelled_lossy(target, sequence, caplog):
+    """Medusa-2 typical acceptance (LOSSY) through the loop: the agreeing drafter's greedy
+    tokens are typical for this peaky model, so every draft is accepted."""
+    import logging
+    cfg = SamplingConfig(temperature=0.7, seed=5)
+    with caplog.at_level(logging.INFO, logger="specplug.common.reference"):
+        result = generate(target, oracle_drafter("medusa", target, sequence), PROMPT, 12, tree=CHAIN,
+                          sampling=cfg, method="typical", eos_token_id=[])
+    assert "LOSSY" in caplog.text
+    assert len(result.tokens) == 12 and result.tau > 1
