@@ -55,6 +55,13 @@ def _check_batch(request_ids: Sequence[Hashable], **lists) -> None:
             )
 
 
+def _shifted(tokens, last_tokens, start: int) -> list[torch.Tensor]:
+    """Per request: tokens[b][start:] followed by last_tokens[b] (Long, on CPU): the
+    token AFTER each position whose target hidden state is given."""
+    last = torch.as_tensor(last_tokens).long().cpu()
+    return [torch.cat([torch.as_tensor(t).long().cpu()[start:], last[b:b + 1]]) for b, t in enumerate(tokens)]
+
+
 def _stack_padded(rows: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """Right-pad [n_b, ...] tensors to [B, max n, ...]; also return valid Bool [B, max n]."""
     n = max(r.shape[0] for r in rows)
@@ -115,14 +122,12 @@ class Eagle3Drafter:
         _check_batch(request_ids, prompt_ids=prompt_ids, hidden=hidden, first_tokens=first_tokens)
         for rid in request_ids:
             self.states.pop(rid, None)
-        next_tokens = [torch.cat([p[1:].long(), first_tokens[b:b + 1].long()]) for b, p in enumerate(prompt_ids)]
-        self._extend(request_ids, next_tokens, hidden)
+        self._extend(request_ids, _shifted(prompt_ids, first_tokens, start=1), hidden)
 
     @torch.no_grad()
     def commit(self, request_ids, accepted_tokens, hidden, bonus) -> None:
         _check_batch(request_ids, accepted_tokens=accepted_tokens, hidden=hidden, bonus=bonus)
-        next_tokens = [torch.cat([a.long(), bonus[b:b + 1].long()]) for b, a in enumerate(accepted_tokens)]
-        self._extend(request_ids, next_tokens, hidden)
+        self._extend(request_ids, _shifted(accepted_tokens, bonus, start=0), hidden)
 
     def release(self, request_ids) -> None:
         for rid in request_ids:
@@ -291,7 +296,7 @@ class MedusaDrafter:
         roots = torch.tensor([self.root_tokens[rid] for rid in request_ids], device=head_tokens.device)
         candidates = tree_lib.fill_static(template, roots, head_tokens)  # [B, N]
         parents = template.parents.to(candidates.device).expand_as(candidates).clone()
-        num_nodes = torch.full((len(request_ids),), template.num_nodes, dtype=torch.long)
+        num_nodes = torch.full((len(request_ids),), template.num_nodes, dtype=torch.long, device=candidates.device)
         return TreeBatch(candidates, parents, num_nodes)
 
     def draft_chain(self, request_ids, k: int) -> TreeBatch:

@@ -434,7 +434,7 @@ class Eagle3Head(nn.Module):
 
     def combine(self, aux_hidden: torch.Tensor) -> torch.Tensor:
         """Fuse the target's aux hidden states: [..., 3*Ht] -> [..., H]."""
-        return self.fc(aux_hidden.to(self.fc.weight.dtype))
+        return self.fc(aux_hidden.to(self.fc.weight))  # the head's dtype and device
 
     def forward(self, input_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
                 attention_mask: torch.Tensor,

@@ -132,7 +132,7 @@ class MedusaHeads(nn.ModuleList):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [B, T, H] (target's last hidden state, after its final norm) ->
         logits [K, B, T, V]; head k predicts the token k + 2 positions ahead."""
-        hidden = hidden.to(self[0][-1].weight.dtype)
+        hidden = hidden.to(self[0][-1].weight)  # the heads' dtype and device
         return torch.stack([head(hidden) for head in self])
 
 
