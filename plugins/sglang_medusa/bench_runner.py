@@ -1,0 +1,109 @@
+"""SGLang runner for `specplug bench`: one in-process sglang.Engine per method, batches
+fed in groups of `batch_size` requests that all generate exactly `max_new_tokens` tokens.
+
+Methods: `none` (no speculation), `ngram` (SGLang's NGRAM; on CPU its trees are verified
+through specplug's torch_native hook), `medusa` (specplug MEDUSA, lossless) and
+`medusa-typical` (the same heads with typical acceptance, LOSSY). Acceptance comes from
+SGLang's per-request meta_info (specplug.sglang_medusa.metrics).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from specplug.bench import RunResult
+from specplug.sglang_medusa.metrics import acceptance_from_meta_info
+
+NGRAM_DRAFT_TOKENS = 8
+TYPICAL = {"speculative_accept_threshold_single": 0.09, "speculative_accept_threshold_acc": 0.3}
+
+
+def make_runner(args):
+    from specplug.common import testbed
+
+    model = args.model or str(testbed.target_dir())
+    return SglangRunner(model, args.head or default_head(), max_new_tokens=args.max_new_tokens,
+                        temperature=args.temperature, seed=args.seed,
+                        max_batch=max(int(b) for b in args.batch_sizes.split(",") if b))
+
+
+def default_head() -> str | None:
+    """The committed test-bed Medusa heads, if this checkout has them."""
+    root = Path(__file__).resolve().parents[2] / "heads" / "smollm2-medusa"
+    return str(root) if (root / "config.json").exists() else None
+
+
+def engine_args(model: str, seed: int, max_batch: int) -> dict:
+    """sglang.Engine arguments: SGLang's CPU settings when no CUDA device is present."""
+    import torch
+
+    args = dict(model_path=model, random_seed=seed, max_running_requests=max_batch, log_level="error")
+    if not torch.cuda.is_available():
+        args.update(device="cpu", dtype="float32", attention_backend="torch_native", disable_cuda_graph=True,
+                    disable_overlap_schedule=True, mem_fraction_static=0.5, max_total_tokens=65536)
+    return args
+
+
+class SglangRunner:
+    engine = "sglang"
+
+    def __init__(self, model: str, head: str | None, *, max_new_tokens: int, temperature: float,
+                 seed: int, max_batch: int):
+        import sglang
+        from transformers import AutoTokenizer
+
+        self.version = sglang.__version__
+        self.model, self.head = model, head
+        self.max_new_tokens, self.temperature, self.seed, self.max_batch = max_new_tokens, temperature, seed, max_batch
+        self.tokenizer = AutoTokenizer.from_pretrained(model)
+        self._method, self._engine = None, None
+
+    def methods(self) -> list[str]:
+        return ["none", "ngram"] + (["medusa", "medusa-typical"] if self.head else [])
+
+    def speculative_args(self, method: str) -> dict:
+        if method == "none":
+            return {}
+        if method == "ngram":
+            return {"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": NGRAM_DRAFT_TOKENS}
+        if self.head is None:
+            raise SystemExit(f"specplug bench: method {method!r} needs --head (a Medusa heads folder)")
+        medusa = {"speculative_algorithm": "MEDUSA", "speculative_draft_model_path": self.head}
+        if method == "medusa":
+            return medusa
+        if method == "medusa-typical":
+            return {**medusa, **TYPICAL}
+        raise SystemExit(f"specplug bench: unknown SGLang method {method!r}; choose from {self.methods()}")
+
+    def _engine_for(self, method: str):
+        if method != self._method:
+            self.close()
+            import sglang
+
+            self._engine = sglang.Engine(**engine_args(self.model, self.seed, self.max_batch),
+                                         **self.speculative_args(method))
+            self._method = method
+            self._engine.generate(["warm up"], {"max_new_tokens": 8, "ignore_eos": True})
+        return self._engine
+
+    def run(self, method: str, prompts, batch_size: int) -> RunResult:
+        engine = self._engine_for(method)
+        params = {"max_new_tokens": self.max_new_tokens, "ignore_eos": True, "temperature": self.temperature}
+        outs, start = [], time.perf_counter()
+        for i in range(0, len(prompts), batch_size):
+            outs += engine.generate(list(prompts[i:i + batch_size]), params)
+        seconds = time.perf_counter() - start
+        metas = [o["meta_info"] for o in outs]
+        stats = acceptance_from_meta_info(metas)
+        return RunResult(method=method, batch_size=batch_size, num_prompts=len(prompts),
+                         output_tokens=sum(m["completion_tokens"] for m in metas), seconds=seconds,
+                         num_drafts=stats.num_steps,
+                         num_draft_tokens=sum(m.get("spec_num_proposed_drafts", 0) for m in metas),
+                         num_accepted=stats.num_accepted, accepted_per_pos=list(stats.accepted_per_pos),
+                         outputs=[o["output_ids"] for o in outs])
+
+    def close(self) -> None:
+        if self._engine is not None:
+            self._engine.shutdown()
+            self._engine, self._method = None, None

@@ -1,0 +1,28 @@
+"""`specplug bench --engine sglang`: the runner's methods and the engine arguments they map to
+(the engines themselves are exercised by the other SGLang tests)."""
+
+import pytest
+
+from specplug.sglang_medusa.bench_runner import TYPICAL, SglangRunner, engine_args
+
+
+def test_methods_and_their_speculative_arguments(sgl_model, medusa_heads):
+    runner = SglangRunner(str(sgl_model), str(medusa_heads), max_new_tokens=8, temperature=0.0, seed=0, max_batch=4)
+    assert runner.methods() == ["none", "ngram", "medusa", "medusa-typical"]
+    assert runner.speculative_args("none") == {}
+    assert runner.speculative_args("ngram")["speculative_algorithm"] == "NGRAM"
+    medusa = runner.speculative_args("medusa")
+    assert medusa == {"speculative_algorithm": "MEDUSA", "speculative_draft_model_path": str(medusa_heads)}
+    assert runner.speculative_args("medusa-typical") == {**medusa, **TYPICAL}
+    with pytest.raises(SystemExit, match="unknown SGLang method"):
+        runner.speculative_args("eagle3")
+    no_head = SglangRunner(str(sgl_model), None, max_new_tokens=8, temperature=0.0, seed=0, max_batch=4)
+    assert no_head.methods() == ["none", "ngram"]
+    with pytest.raises(SystemExit, match="needs --head"):
+        no_head.speculative_args("medusa")
+
+
+def test_cpu_engine_arguments(sgl_model):
+    args = engine_args(str(sgl_model), seed=3, max_batch=4)
+    assert args["device"] == "cpu" and args["attention_backend"] == "torch_native"
+    assert args["random_seed"] == 3 and args["max_running_requests"] == 4
