@@ -284,3 +284,27 @@ def test_typical_acceptance_runs_and_is_labelled_lossy(target, sequence, caplog)
                           sampling=cfg, method="typical", eos_token_id=[])
     assert "LOSSY" in caplog.text
     assert len(result.tokens) == 12 and result.tau > 1
+
+
+@pytest.mark.slow
+def test_greedy_equals_hf_generate_on_the_real_test_bed_model():
+    """SmolLM2-135M (30 layers, GQA 9/3, vocab 49152; built by the test bed, cached):
+    greedy equality on two MT-bench prompts for an EAGLE-3 chain, an EAGLE-3 dynamic
+    tree (reduced draft vocab) and a Medusa sparse tree, all with random heads."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from specplug.common.data import prompts
+    from specplug.common.testbed import target_dir
+    folder = target_dir()
+    tok = AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    drafters = {
+        "eagle3-chain": (lambda: Eagle3Drafter(random_eagle3_head(model, draft_vocab=8000, scale=0.05)), CHAIN),
+        "eagle3-tree": (lambda: Eagle3Drafter(random_eagle3_head(model, draft_vocab=8000, scale=0.05)), TREE),
+        "medusa-tree": (lambda: MedusaDrafter(random_medusa_heads(model, num_heads=3)), TREE),
+    }
+    for p in prompts("mtbench", tok, limit=2):
+        ids = torch.tensor(tok(p.text, add_special_tokens=False).input_ids)
+        want = hf_greedy(model, ids, 24)
+        for name, (make, tree) in drafters.items():
+            assert generate(model, make(), ids, 24, tree=tree).tokens == want, (name, p.id)
