@@ -20,7 +20,10 @@ CHAIN, TREE = TreeConfig(depth=3, topk=1, budget=3), TreeConfig(depth=3, topk=3,
 
 
 def hf_greedy(target, prompt, n, **kw):
-    out = target.generate(prompt[None], max_new_tokens=n, do_sample=False, **kw)
+    """target.generate greedy; an explicit attention_mask stops transformers from masking
+    pad tokens inside the prompt when eos_token_id is overridden (see docs/reference.md)."""
+    mask = torch.ones(1, len(prompt), dtype=torch.long)
+    out = target.generate(prompt[None], attention_mask=mask, max_new_tokens=n, do_sample=False, **kw)
     return out[0, len(prompt):].tolist()
 
 
