@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import fcntl
+import hashlib
 import json
 import logging
 import os
@@ -34,6 +35,7 @@ from specplug.common.data import PACKAGES, PROMPT_SETS, asset_path, prompts
 logger = logging.getLogger(__name__)
 
 TARGET_NAME = "smollm2-135m-instruct"
+COMMITTED_HEADS = Path(__file__).resolve().parents[2] / "heads"  # the repo's trained test-bed heads
 CHECK_QUESTION = "What is the capital of France?"
 CHECK_ANSWER = "Paris"
 MARKER = ".specplug-testbed.json"  # written last: its presence means the folder is complete
@@ -130,14 +132,54 @@ def _write_marker(folder: Path, answer: str) -> None:
     (folder / MARKER).write_text(json.dumps(info, indent=2) + "\n")
 
 
+def head_dir(name: str, cache: str | os.PathLike | None = None, *, target: str | os.PathLike | None = None) -> Path:
+    """A committed test-bed head (heads/NAME) as a folder every loader reads.
+
+    A compact Medusa head (config.json + residual blocks; vocab projections = the
+    target's lm_head, see specplug.common.train_medusa) is materialised once into
+    <cache>/heads/NAME in the FasterDecoding format; any other head is used in place.
+    `target` (default: the test-bed target) supplies the lm_head.
+    """
+    from specplug.common import train_medusa
+
+    source = COMMITTED_HEADS / name
+    if not (source / "config.json").is_file():
+        known = sorted(p.name for p in COMMITTED_HEADS.glob("*/config.json")) if COMMITTED_HEADS.is_dir() else []
+        raise ValueError(f"head {name!r} is not in {COMMITTED_HEADS}: expected one of {known}")
+    if not (source / train_medusa.RESBLOCKS_FILE).is_file():
+        return source
+    root = testbed_root(cache)
+    out = root / "heads" / name
+    stamp = hashlib.sha256((source / train_medusa.RESBLOCKS_FILE).read_bytes()).hexdigest()[:16]
+    with _locked(root / f".heads-{name}.lock"):
+        marker = out / MARKER
+        if not marker.is_file() or json.loads(marker.read_text()).get("stamp") != stamp:
+            tmp = root / "heads" / f".tmp-{name}-{os.getpid()}"
+            shutil.rmtree(tmp, ignore_errors=True)
+            train_medusa.materialise(source, target if target is not None else target_dir(cache), tmp)
+            (tmp / MARKER).write_text(json.dumps({"source": str(source), "stamp": stamp}) + "\n")
+            shutil.rmtree(out, ignore_errors=True)
+            tmp.rename(out)
+            logger.info("materialised %s -> %s (FasterDecoding format)", source, out)
+    return out
+
+
+def committed_heads() -> list[str]:
+    """Names of the heads committed under heads/ (empty outside a source checkout)."""
+    if not COMMITTED_HEADS.is_dir():
+        return []
+    return sorted(p.parent.name for p in COMMITTED_HEADS.glob("*/config.json"))
+
+
 def summary(cache: str | os.PathLike | None = None, *, rebuild: bool = False) -> dict:
-    """Build (if needed) the target and report paths and prompt-set sizes."""
+    """Build (if needed) the target and the committed heads; report paths and prompt-set sizes."""
     target = target_dir(cache, rebuild=rebuild)
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(target)
     sets = {name: len(prompts(name, tokenizer)) for name in PROMPT_SETS}
-    return {"target": str(target), "prompt_sets": sets,
+    heads = {name: str(head_dir(name, cache)) for name in committed_heads()}
+    return {"target": str(target), "heads": heads, "prompt_sets": sets,
             "check": json.loads((target / MARKER).read_text())["check"]}
 
 
@@ -155,6 +197,8 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(info, indent=2))
     else:
         print(f"target: {info['target']}")
+        for name, path in info["heads"].items():
+            print(f"head {name}: {path}")
         print("prompt sets: " + ", ".join(f"{k} {v}" for k, v in info["prompt_sets"].items()))
         print(f"check: {info['check']['question']!r} -> {info['check']['answer']!r}")
     return 0

@@ -64,3 +64,33 @@ def test_cache_location_follows_specplug_cache(monkeypatch, tmp_path):
     monkeypatch.setenv("SPECPLUG_CACHE", str(tmp_path))
     assert testbed.testbed_root() == tmp_path / "testbed"
     assert testbed.testbed_root(tmp_path / "x") == tmp_path / "x"
+
+
+def test_compact_medusa_head_is_materialised_once(tiny_llama_path, tmp_path, monkeypatch):
+    """A committed compact Medusa head (residual blocks only) becomes a FasterDecoding folder."""
+    import torch
+    from safetensors.torch import save_file
+
+    from specplug.common import formats
+    from specplug.common.train_medusa import RESBLOCKS_FILE
+
+    hidden = json.loads((tiny_llama_path / "config.json").read_text())["hidden_size"]
+    vocab = json.loads((tiny_llama_path / "config.json").read_text())["vocab_size"]
+    committed = tmp_path / "heads" / "tiny-medusa"
+    committed.mkdir(parents=True)
+    (committed / "config.json").write_text(json.dumps(
+        {"medusa_num_heads": 2, "medusa_num_layers": 1, "hidden_size": hidden, "vocab_size": vocab}))
+    blocks = {f"{k}.0.linear.{p}": torch.randn(*shape).to(torch.bfloat16)
+              for k in range(2) for p, shape in (("weight", (hidden, hidden)), ("bias", (hidden,)))}
+    save_file(blocks, str(committed / RESBLOCKS_FILE))
+    monkeypatch.setattr(testbed, "COMMITTED_HEADS", tmp_path / "heads")
+    assert testbed.committed_heads() == ["tiny-medusa"]
+    out = testbed.head_dir("tiny-medusa", tmp_path / "cache", target=tiny_llama_path)
+    assert out == tmp_path / "cache" / "heads" / "tiny-medusa"
+    head = formats.load_head(out, str(tiny_llama_path))
+    assert head.format == "medusa" and torch.equal(head.state_dict["1.0.linear.bias"], blocks["1.0.linear.bias"])
+    stamp = (out / "medusa_lm_head.safetensors").stat().st_mtime_ns
+    assert testbed.head_dir("tiny-medusa", tmp_path / "cache", target=tiny_llama_path) == out
+    assert (out / "medusa_lm_head.safetensors").stat().st_mtime_ns == stamp  # cached
+    with pytest.raises(ValueError, match="is not in"):
+        testbed.head_dir("nope", tmp_path / "cache", target=tiny_llama_path)

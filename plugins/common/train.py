@@ -1,0 +1,560 @@
+"""`specplug train`: EAGLE-3 and Medusa heads for a Hugging Face causal LM, no hidden-state dumps.
+
+The frozen target runs on every batch and the head trains on its hidden states right
+away (`target_pass`), so nothing is written to disk but checkpoints. The method-specific
+parts (head construction, loss, saving) live in `train_eagle3` and `train_medusa`; this
+module owns the settings (`TrainConfig`, the ONE place for defaults), the up-front checks
+that fail before any long work, the data (chat conversations -> token ids + a mask of
+assistant tokens), the loop (tqdm bar with loss / per-position accuracy / ETA, periodic
+checkpoint, resume) and the command line.
+
+Layout of an output folder:
+  OUT/config.json + weights     the head in its method's default (or --format) format
+  OUT/checkpoint/               training state: head.safetensors (fp32 trainable
+                                tensors + fixed buffers), optimizer.pt, state.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import math
+import os
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+METHODS = ("eagle3", "medusa")
+CHECKPOINT = "checkpoint"
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """All training settings and their defaults (the CLI reads its defaults from here).
+
+    steps / minutes: stop at whichever comes first (steps defaults to 1000 when neither
+    is given). max_length: tokens per sample (longer conversations are cut).
+    ttt_steps: EAGLE-3 training-time-test steps unrolled per batch (step j drafts the
+    token j+1 places past the first draft). step_decay: loss weight of step / head j
+    is step_decay**j. draft_vocab_size: EAGLE-3 draft vocabulary (most frequent
+    assistant tokens of the training data). num_heads / num_layers: Medusa.
+    save_dtype: dtype of the written head. checkpoint_every: steps between checkpoints.
+    reuse: optimizer steps per target pass (>1 trades data diversity for speed where the
+    frozen target's forward dominates, e.g. a busy CPU); steps count optimizer steps.
+    heldout_samples: conversations kept out of training (Medusa's rank accuracies).
+    """
+
+    method: str
+    target: str
+    out: str
+    data: str = "sharegpt"
+    steps: int | None = None
+    minutes: float | None = None
+    max_samples: int | None = None
+    max_length: int = 512
+    batch_size: int = 2
+    lr: float = 1e-3
+    warmup_steps: int = 20
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    seed: int = 0
+    checkpoint_every: int = 100
+    reuse: int = 1
+    heldout_samples: int = 32
+    ttt_steps: int = 3
+    step_decay: float = 0.8
+    draft_vocab_size: int = 8192
+    aux_layer_ids: tuple[int, ...] | None = None
+    num_heads: int = 4
+    num_layers: int = 1
+    topk: int = 10
+    format: str | None = None
+    save_dtype: str = "bfloat16"
+    resume: bool = False
+    overwrite: bool = False
+    device: str = "cpu"
+
+    def __post_init__(self):
+        if self.method not in METHODS:
+            raise ValueError(f"method must be one of {METHODS}, got {self.method!r}")
+        for name in ("max_length", "batch_size", "ttt_steps", "draft_vocab_size", "num_heads",
+                     "checkpoint_every", "topk", "reuse"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_length < 8:
+            raise ValueError(f"max_length must be >= 8 tokens, got {self.max_length}")
+        if self.steps is not None and self.steps < 1:
+            raise ValueError(f"steps must be >= 1, got {self.steps}")
+        if self.resume and self.overwrite:
+            raise ValueError("--resume and --overwrite exclude each other: resume keeps the checkpoint, "
+                             "overwrite deletes it")
+
+    @property
+    def max_steps(self) -> int:
+        return self.steps if self.steps is not None else (10**9 if self.minutes else 1000)
+
+
+# ---------------------------------------------------------------------------------------
+# Up-front checks: every one runs before the target's weights are loaded
+# ---------------------------------------------------------------------------------------
+def check_target(target: str | os.PathLike):
+    """The target's transformers config; ValueError unless it is a causal LM folder."""
+    from transformers import AutoConfig
+
+    path = Path(target)
+    if not (path / "config.json").is_file():
+        raise ValueError(f"--target {target}: no config.json there; expected a Hugging Face model folder "
+                         "(e.g. the output of `specplug testbed`)")
+    config = AutoConfig.from_pretrained(path)
+    archs = getattr(config, "architectures", None) or []
+    if not any(a.endswith("ForCausalLM") for a in archs):
+        raise ValueError(f"--target {target}: architectures {archs} is not a causal LM "
+                         "(expected a *ForCausalLM model): pass the model that generates, not a head or encoder")
+    return config
+
+
+def check_output(cfg: TrainConfig) -> Path:
+    """The output folder, after refusing to overwrite a trained head or checkpoint by accident."""
+    out = Path(cfg.out)
+    ckpt = out / CHECKPOINT
+    held = out.is_dir() and (ckpt.is_dir() or (out / "config.json").is_file())
+    if cfg.resume and not (ckpt / "state.json").is_file():
+        raise ValueError(f"--resume: {ckpt} holds no checkpoint (state.json); drop --resume to start anew")
+    if held and not (cfg.resume or cfg.overwrite):
+        raise ValueError(f"--out {out} already holds a head or checkpoint: pass --resume to continue it, "
+                         "--overwrite to replace it, or choose another folder")
+    return out
+
+
+def check_memory(cfg: TrainConfig, target_config, available: int | None = None) -> int:
+    """Estimated peak bytes; ValueError when it exceeds the memory available now."""
+    vocab, hidden = target_config.vocab_size, target_config.hidden_size
+    layers = target_config.num_hidden_layers
+    params = 12 * layers * hidden * hidden + 2 * vocab * hidden  # rough Llama count
+    tokens = cfg.batch_size * cfg.max_length
+    per_token_vocab = {"eagle3": 3 + 4 * cfg.ttt_steps, "medusa": 2 + 4 * cfg.num_heads}[cfg.method]
+    need = 4 * params + 4 * tokens * (vocab * per_token_vocab + hidden * (layers + 1 + 20 * cfg.ttt_steps))
+    available = _available_memory() if available is None else available
+    if available is not None and need > 0.9 * available:
+        raise ValueError(
+            f"training needs about {need / 2**30:.1f} GiB but {available / 2**30:.1f} GiB is available: "
+            f"lower --batch-size ({cfg.batch_size}) or --max-length ({cfg.max_length})")
+    return need
+
+
+def _available_memory() -> int | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+# ---------------------------------------------------------------------------------------
+# Data: conversations -> (input_ids, loss_mask) samples
+# ---------------------------------------------------------------------------------------
+class Sample(NamedTuple):
+    input_ids: list[int]
+    loss_mask: list[int]  # 1 where the token belongs to an assistant turn (incl. its end token)
+
+
+def load_conversations(data: str) -> list[list[dict]]:
+    """Conversations for `--data`: a prompt-set name (sharegpt) or a ShareGPT-style .json/.jsonl file."""
+    from specplug.common import data as datasets
+
+    path = Path(data)
+    if data == "sharegpt":
+        convs = datasets.conversations("sharegpt")
+    elif path.is_file():
+        try:
+            convs = datasets.conversations("sharegpt", path)
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise ValueError(f"--data {data}: not ShareGPT-style JSON/JSONL ({exc}); expected records "
+                             '{"conversations": [{"from": "human"|"gpt", "value": ...}, ...]}') from exc
+    else:
+        raise ValueError(f"--data {data!r}: expected 'sharegpt' or a path to a ShareGPT-style .json/.jsonl file")
+    convs = [c for c in convs if any(m["role"] == "assistant" and m["content"].strip() for m in c)]
+    if not convs:
+        raise ValueError(f"--data {data}: no conversation with an assistant turn; nothing to train on")
+    return convs
+
+
+def tokenize_conversation(tokenizer, messages: list[dict], max_length: int) -> Sample | None:
+    """Token ids of the chat-templated conversation and a mask of its assistant tokens.
+
+    Assistant spans are found as character ranges: the template text up to the turn
+    (with the generation prompt) and up to its end; tokens starting inside a span are
+    masked in. None when no assistant token survives the cut to max_length.
+    """
+    from specplug.common.data import format_chat
+
+    while messages and messages[0]["role"] == "assistant":
+        messages = messages[1:]
+    if not messages:
+        return None
+    text = format_chat(tokenizer, messages, add_generation_prompt=False)
+    spans = []
+    for i, message in enumerate(messages):
+        if message["role"] == "assistant":
+            start = len(format_chat(tokenizer, messages[:i], add_generation_prompt=True)) if i else 0
+            spans.append((start, len(format_chat(tokenizer, messages[: i + 1], add_generation_prompt=False))))
+    enc = tokenizer(text, return_offsets_mapping=True, add_special_tokens=False, truncation=True,
+                    max_length=max_length)
+    mask = [int(any(s <= a < e for s, e in spans)) for a, _ in enc["offset_mapping"]]
+    if sum(mask) == 0:
+        return None
+    return Sample(list(enc["input_ids"]), mask)
+
+
+def build_samples(tokenizer, conversations: list[list[dict]], cfg: TrainConfig) -> tuple[list[Sample], list[Sample]]:
+    """(train, held-out): shuffled (seeded) tokenized samples; held-out ones are taken from
+    the END of the shuffled order, training ones (at most cfg.max_samples) from its start."""
+    order = list(range(len(conversations)))
+    random.Random(cfg.seed).shuffle(order)
+    heldout = _tokenize_some(tokenizer, conversations, order[::-1], cfg.heldout_samples, cfg.max_length)
+    taken = len(conversations) - cfg.heldout_samples if len(conversations) > 2 * cfg.heldout_samples else None
+    samples = _tokenize_some(tokenizer, conversations, order[:taken], cfg.max_samples, cfg.max_length)
+    if not samples:
+        raise ValueError("no usable training sample: every conversation lost its assistant tokens "
+                         f"within --max-length {cfg.max_length}; raise it")
+    return samples, heldout
+
+
+def _tokenize_some(tokenizer, conversations, order, limit, max_length) -> list[Sample]:
+    out: list[Sample] = []
+    for idx in order:
+        if limit is not None and len(out) >= limit:
+            break
+        sample = tokenize_conversation(tokenizer, conversations[idx], max_length)
+        if sample is not None:
+            out.append(sample)
+    return out
+
+
+class Batch(NamedTuple):
+    input_ids: torch.Tensor  # [B, T] right-padded
+    attention_mask: torch.Tensor  # [B, T] 1 = real token
+    loss_mask: torch.Tensor  # [B, T] 1 = assistant token (a label worth learning)
+
+
+def collate(samples: list[Sample], pad_id: int) -> Batch:
+    """Right-pad samples to the longest one."""
+    width = max(len(s.input_ids) for s in samples)
+    ids = torch.full((len(samples), width), pad_id, dtype=torch.long)
+    attn = torch.zeros((len(samples), width), dtype=torch.long)
+    loss = torch.zeros((len(samples), width), dtype=torch.long)
+    for row, s in enumerate(samples):
+        n = len(s.input_ids)
+        ids[row, :n] = torch.tensor(s.input_ids)
+        attn[row, :n] = 1
+        loss[row, :n] = torch.tensor(s.loss_mask)
+    return Batch(ids, attn, loss)
+
+
+def batch_at(samples: list[Sample], step: int, batch_size: int, pad_id: int) -> Batch:
+    """The step-th batch of an endless pass over samples (deterministic, so resume is exact)."""
+    start = step * batch_size
+    return collate([samples[(start + i) % len(samples)] for i in range(batch_size)], pad_id)
+
+
+def shift_left(x: torch.Tensor, n: int, fill: float | int = 0) -> torch.Tensor:
+    """x[:, t] <- x[:, t + n] along dim 1, padded with `fill` at the end."""
+    if n == 0:
+        return x
+    out = torch.full_like(x, fill)
+    if n < x.shape[1]:
+        out[:, : x.shape[1] - n] = x[:, n:]
+    return out
+
+
+# ---------------------------------------------------------------------------------------
+# The frozen target
+# ---------------------------------------------------------------------------------------
+class TargetOutput(NamedTuple):
+    last_hidden: torch.Tensor  # [B, T, H] after the final norm (what the lm_head reads)
+    logits: torch.Tensor  # [B, T, V] float32: position t scores token t + 1
+    aux: torch.Tensor | None  # [B, T, 3H] concatenated aux hidden states (EAGLE-3), else None
+
+
+@torch.no_grad()
+def target_pass(target, batch: Batch, aux_layer_ids: tuple[int, ...] | None = None) -> TargetOutput:
+    """One frozen forward of the target. Aux id i is `hidden_states[i]` (input of layer i)."""
+    out = target.base_model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                            output_hidden_states=aux_layer_ids is not None, use_cache=False)
+    last = out.last_hidden_state
+    logits = target.get_output_embeddings()(last).float()
+    aux = torch.cat([out.hidden_states[i] for i in aux_layer_ids], dim=-1) if aux_layer_ids else None
+    return TargetOutput(last, logits, aux)
+
+
+def load_target(path: str, device: str = "cpu"):
+    """The target in fp32 (CPU) or bf16 (GPU), frozen, in eval mode, with its tokenizer."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    target = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+    target.requires_grad_(False)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(f"--target {path}: its tokenizer has no chat_template; training formats "
+                         "conversations with it: use an instruct/chat model or add a template")
+    return target, tokenizer
+
+
+# ---------------------------------------------------------------------------------------
+# The loop
+# ---------------------------------------------------------------------------------------
+def method_module(method: str):
+    """The module implementing one method's head, loss and output."""
+    if method == "eagle3":
+        from specplug.common import train_eagle3 as module
+    else:
+        from specplug.common import train_medusa as module
+    return module
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """Linear warm-up, then cosine decay to 10% when the step count is known (else constant)."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    if cfg.steps is None:
+        return cfg.lr
+    progress = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps))
+    return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+class OutputContext(NamedTuple):
+    """What a method's save_output may need beyond the head: the target, held-out samples."""
+
+    target: Any
+    heldout: list  # list[Sample], never trained on
+    pad_id: int
+
+
+def _write_training_record(out: Path, cfg: TrainConfig, state: dict) -> None:
+    """OUT/training.json: settings, steps, time, loss ends and final accuracies (for the record)."""
+    losses = state["losses"]
+    record = {"config": _config_dict(cfg), "steps": state["step"], "minutes": round(state["seconds"] / 60, 2),
+              "first_loss": losses[0] if losses else None, "last_loss": losses[-1] if losses else None,
+              "accuracy_top1_by_position": state.get("accuracy", []),
+              "head_accuracies": state.get("head_accuracies")}
+    (out / "training.json").write_text(json.dumps(record, indent=2) + "\n")
+
+
+@dataclass
+class TrainResult:
+    out: str
+    steps: int
+    seconds: float
+    first_loss: float
+    last_loss: float
+    accuracy: list[float]  # per step position (EAGLE-3) or head (Medusa), top-1, last window
+    files: list[str]
+
+
+def train(cfg: TrainConfig) -> TrainResult:
+    """Train a head as `cfg` says; returns what was written and the loss curve's ends."""
+    out = check_output(cfg)
+    target_config = check_target(cfg.target)
+    check_memory(cfg, target_config)
+    method = method_module(cfg.method)
+    method.preflight(cfg, target_config)
+    convs = load_conversations(cfg.data)
+    target, tokenizer = load_target(cfg.target, cfg.device)
+    samples, heldout = build_samples(tokenizer, convs, cfg)
+    logger.info("%d training samples, %d assistant tokens", len(samples), sum(sum(s.loss_mask) for s in samples))
+    if cfg.overwrite and (out / CHECKPOINT).is_dir():
+        import shutil
+        shutil.rmtree(out / CHECKPOINT)
+    torch.manual_seed(cfg.seed)
+    if cfg.resume:
+        head, state = method.load_checkpoint(out / CHECKPOINT, target, cfg)
+    else:
+        head, state = method.build_head(target, samples, cfg), {"step": 0, "losses": [], "seconds": 0.0}
+    optimizer = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=cfg.lr,
+                                  weight_decay=cfg.weight_decay)
+    if cfg.resume:
+        optimizer.load_state_dict(torch.load(out / CHECKPOINT / "optimizer.pt", weights_only=True))
+    state = _loop(cfg, method, head, target, tokenizer, samples, optimizer, state, out)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    files = method.save_output(head, out, cfg, state, OutputContext(target, heldout, pad_id))
+    _write_training_record(out, cfg, state)
+    losses = state["losses"]
+    return TrainResult(str(out), state["step"], state["seconds"], losses[0] if losses else float("nan"),
+                       losses[-1] if losses else float("nan"), state.get("accuracy", []), files)
+
+
+def _loop(cfg, method, head, target, tokenizer, samples, optimizer, state, out) -> dict:
+    from tqdm.auto import tqdm
+
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    start, step0 = time.perf_counter(), state["step"]
+    total = cfg.max_steps if cfg.steps is not None or not cfg.minutes else None
+    bar = tqdm(total=total, initial=step0, desc=f"train {cfg.method}", unit="step", dynamic_ncols=True)
+    window: list[torch.Tensor] = []
+    head.train()
+    while state["step"] < cfg.max_steps:
+        if cfg.minutes and state["seconds"] + time.perf_counter() - start >= 60 * cfg.minutes:
+            break
+        cpu_batch = batch_at(samples, state["step"] // cfg.reuse, cfg.batch_size, pad_id)
+        batch = Batch(*(t.to(cfg.device) for t in cpu_batch))
+        tgt = target_pass(target, batch, method.aux_ids(head, target))
+        for _ in range(min(cfg.reuse - state["step"] % cfg.reuse, cfg.max_steps - state["step"])):
+            accuracy = _update(cfg, method, head, optimizer, tgt, batch, state)
+            window = (window + [accuracy])[-20:]
+            state["accuracy"] = [round(float(a), 4) for a in torch.stack(window).mean(0)]
+            bar.update(1)
+            bar.set_postfix_str(_postfix(state, cfg, start), refresh=False)
+            if state["step"] % cfg.checkpoint_every == 0:
+                save_checkpoint(method, head, optimizer, state, cfg, out, start)
+    bar.close()
+    state["seconds"] += time.perf_counter() - start
+    save_checkpoint(method, head, optimizer, state, cfg, out, None)
+    return state
+
+
+def _update(cfg, method, head, optimizer, tgt: TargetOutput, batch: Batch, state: dict) -> torch.Tensor:
+    """One optimizer step on one target pass; returns the step's accuracy by position."""
+    loss, accuracy = method.loss(head, tgt, batch, cfg)
+    for group in optimizer.param_groups:
+        group["lr"] = lr_at(state["step"], cfg)
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_([p for p in head.parameters() if p.requires_grad], cfg.grad_clip)
+    optimizer.step()
+    state["step"] += 1
+    state["losses"].append(loss.item())
+    return accuracy
+
+
+def _postfix(state: dict, cfg: TrainConfig, start: float) -> str:
+    recent = state["losses"][-20:]
+    acc = "/".join(f"{a:.2f}" for a in state["accuracy"])
+    text = f"loss {sum(recent) / len(recent):.3f} acc@pos {acc}"
+    if cfg.minutes:
+        left = 60 * cfg.minutes - state["seconds"] - (time.perf_counter() - start)
+        text += f" left {max(0.0, left) / 60:.1f} min"
+    return text
+
+
+def save_checkpoint(method, head, optimizer, state: dict, cfg: TrainConfig, out: Path,
+                    start: float | None) -> None:
+    """Write OUT/checkpoint atomically (a crash mid-write leaves the previous one)."""
+    from safetensors.torch import save_file
+
+    final = out / CHECKPOINT
+    tmp = out / f".{CHECKPOINT}.tmp"
+    tmp.mkdir(parents=True, exist_ok=True)
+    saved = dict(state, seconds=state["seconds"] + (time.perf_counter() - start if start else 0.0),
+                 config=_config_dict(cfg))
+    save_file({k: v.detach().contiguous() for k, v in method.checkpoint_tensors(head).items()},
+              str(tmp / "head.safetensors"))
+    torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+    (tmp / "head_config.json").write_text(json.dumps(method.head_config(head), indent=2) + "\n")
+    (tmp / "state.json").write_text(json.dumps(saved) + "\n")
+    if final.exists():
+        import shutil
+        shutil.rmtree(final)
+    tmp.rename(final)
+    logger.debug("checkpoint at step %d", state["step"])
+
+
+def _config_dict(cfg: TrainConfig) -> dict:
+    d = dataclasses.asdict(cfg)
+    d["aux_layer_ids"] = list(cfg.aux_layer_ids) if cfg.aux_layer_ids else None
+    return d
+
+
+def read_checkpoint_state(ckpt: Path) -> tuple[dict, dict[str, torch.Tensor], dict]:
+    """(state.json, head tensors, head_config.json) of a checkpoint folder."""
+    from safetensors.torch import load_file
+
+    state = json.loads((ckpt / "state.json").read_text())
+    return state, load_file(str(ckpt / "head.safetensors")), json.loads((ckpt / "head_config.json").read_text())
+
+
+def specplug_section(method: str, **extra: Any) -> dict:
+    """The `specplug` config section of a head made here (tree defaults from TreeConfig)."""
+    from specplug.common.tree import TreeConfig
+
+    section = {"version": 1, "method": method, "tree": TreeConfig().to_dict(), "verification": "lossless"}
+    section.update(extra)
+    return section
+
+
+# ---------------------------------------------------------------------------------------
+# Command line
+# ---------------------------------------------------------------------------------------
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    d = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
+    parser.add_argument("method", choices=METHODS, help="head type to train")
+    parser.add_argument("--target", required=True, help="Hugging Face causal-LM folder (frozen)")
+    parser.add_argument("--out", required=True, help="output folder for the head and its checkpoint")
+    parser.add_argument("--data", default=d["data"], help="'sharegpt' or a ShareGPT-style .json/.jsonl file")
+    parser.add_argument("--steps", type=int, default=None,
+                        help="optimizer steps (1000 if neither --steps nor --minutes)")
+    parser.add_argument("--minutes", type=float, default=None, help="wall-clock budget; stops at the first limit hit")
+    parser.add_argument("--max-samples", type=int, default=None, help="use at most this many conversations")
+    for name, kind in (("max_length", int), ("batch_size", int), ("lr", float), ("warmup_steps", int),
+                       ("seed", int), ("checkpoint_every", int), ("reuse", int), ("heldout_samples", int),
+                       ("ttt_steps", int), ("step_decay", float),
+                       ("draft_vocab_size", int), ("num_layers", int), ("topk", int)):
+        parser.add_argument("--" + name.replace("_", "-"), type=kind, default=d[name], help=_HELP.get(name, name))
+    parser.add_argument("--heads", type=int, default=d["num_heads"], help="Medusa heads")
+    parser.add_argument("--aux-layers", default=None, help="EAGLE-3 aux layer ids, e.g. 2,15,27 (default 2,L//2,L-3)")
+    parser.add_argument("--format", default=None,
+                        help="output format: eagle3 (default) or speculators; medusa (default) or vllm-medusa")
+    parser.add_argument("--save-dtype", default=d["save_dtype"], choices=("bfloat16", "float16", "float32"))
+    parser.add_argument("--device", default=d["device"], help="torch device (cpu, cuda)")
+    parser.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint")
+    parser.add_argument("--overwrite", action="store_true", help="replace a head or checkpoint in OUT")
+    parser.add_argument("--json", action="store_true", help="print the result as JSON")
+
+
+_HELP = {
+    "max_length": "tokens per training sample", "batch_size": "samples per step", "lr": "peak learning rate",
+    "ttt_steps": "EAGLE-3 training-time-test steps unrolled", "step_decay": "loss weight decay per step/head",
+    "draft_vocab_size": "EAGLE-3 draft vocabulary size", "num_layers": "Medusa residual blocks per head",
+    "topk": "Medusa: ranks whose accuracy is recorded",
+    "reuse": "optimizer steps per target pass",
+    "heldout_samples": "conversations kept out of training (Medusa rank accuracies)", "checkpoint_every": "steps between checkpoints",
+}
+
+
+def config_from_args(args: argparse.Namespace) -> TrainConfig:
+    aux = tuple(int(x) for x in args.aux_layers.split(",")) if args.aux_layers else None
+    return TrainConfig(
+        method=args.method, target=args.target, out=args.out, data=args.data, steps=args.steps,
+        minutes=args.minutes, max_samples=args.max_samples, max_length=args.max_length,
+        batch_size=args.batch_size, lr=args.lr, warmup_steps=args.warmup_steps, seed=args.seed,
+        checkpoint_every=args.checkpoint_every, reuse=args.reuse, heldout_samples=args.heldout_samples,
+        ttt_steps=args.ttt_steps, step_decay=args.step_decay,
+        draft_vocab_size=args.draft_vocab_size, aux_layer_ids=aux, num_heads=args.heads,
+        num_layers=args.num_layers, topk=args.topk, format=args.format, save_dtype=args.save_dtype,
+        resume=args.resume, overwrite=args.overwrite, device=args.device)
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, format="specplug train: %(message)s")
+    try:
+        result = train(config_from_args(args))
+    except ValueError as exc:
+        logger.error("%s", exc)
+        return 2
+    if args.json:
+        print(json.dumps(dataclasses.asdict(result), indent=2))
+    else:
+        print(f"wrote {result.out} after {result.steps} steps ({result.seconds / 60:.1f} min): "
+              f"loss {result.first_loss:.3f} -> {result.last_loss:.3f}, "
+              f"top-1 accuracy by position {result.accuracy}")
+    return 0

@@ -1,0 +1,198 @@
+"""EAGLE-3 training: the draft vocabulary, the head's start, the training-time-test loss.
+
+Draft vocabulary invariant (the SpecForge#534 bug made impossible): `install_draft_vocab`
+is the ONE place that sets `d2t`, `t2d` and the lm_head rows, all from the same sorted
+list of target ids, at head creation. Afterwards the mapping only travels inside the
+head's state_dict (checkpoint, resume, output); nothing re-derives it, and the loss
+reads its labels through the head's own `d2t` (`draft_token_ids`), so labels and
+lm_head rows cannot disagree.
+
+Training-time test (EAGLE-3 paper, §3): step j of a batch unrolls the head on its own
+output of step j-1. Row i of step j stands for draft position i + j: input token
+ids[i+j+1], hidden = step j-1's pre-norm output at row i (step 0: fc(aux) at i), RoPE
+position i + j; it predicts token i+j+2 and is scored against the target's
+distribution at position i+j+1 (restricted to the draft vocabulary). It attends to
+step 0's keys at rows <= i (the verified context) and to its own row in steps 1..j
+(its ancestors in a draft chain), exactly what it sees when drafting.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from specplug.common.heads.eagle3 import Eagle3Config, Eagle3Head, default_aux_layer_ids
+from specplug.common.train import (
+    Batch, TargetOutput, TrainConfig, read_checkpoint_state, shift_left, specplug_section)
+
+logger = logging.getLogger(__name__)
+
+INIT_STD = 0.02
+
+
+def token_counts(samples, vocab_size: int) -> torch.Tensor:
+    """Count of each target id among the assistant (loss-masked) tokens: [vocab] int64."""
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for s in samples:
+        ids = torch.tensor([t for t, m in zip(s.input_ids, s.loss_mask) if m], dtype=torch.long)
+        counts += torch.bincount(ids, minlength=vocab_size)[:vocab_size]
+    return counts
+
+
+def draft_vocab_ids(counts: torch.Tensor, size: int) -> torch.Tensor:
+    """The `size` most frequent target ids (ties: lower id first), sorted ascending: [size]."""
+    if not 1 <= size <= counts.numel():
+        raise ValueError(f"draft_vocab_size must be in [1, {counts.numel()}] (the target vocab), got {size}")
+    order = torch.argsort(-counts * counts.numel() + torch.arange(counts.numel()), stable=True)
+    return order[:size].sort().values
+
+
+def install_draft_vocab(head: Eagle3Head, token_ids: torch.Tensor, target_lm_head: torch.Tensor) -> None:
+    """Set d2t, t2d and the lm_head rows together from ascending target ids [draft_vocab].
+
+    d2t[i] = token_ids[i] - i (target id = i + d2t[i]); t2d[t] = t is in the draft vocab;
+    lm_head row i starts as the target's lm_head row token_ids[i].
+    """
+    draft_vocab = head.config.draft_vocab_size
+    if token_ids.shape != (draft_vocab,) or bool((token_ids[1:] <= token_ids[:-1]).any()):
+        raise ValueError(f"token_ids must be {draft_vocab} strictly ascending target ids, got shape "
+                         f"{tuple(token_ids.shape)}")
+    with torch.no_grad():
+        head.d2t.copy_(token_ids - torch.arange(draft_vocab))
+        head.t2d.zero_()
+        head.t2d[token_ids] = True
+        head.lm_head.weight.copy_(target_lm_head[token_ids])
+
+
+def draft_token_ids(head: Eagle3Head) -> torch.Tensor:
+    """Target id of each draft-vocab row, read from the head's own d2t: [draft_vocab]."""
+    return head.to_target_ids(torch.arange(head.config.draft_vocab_size, device=head.d2t.device))
+
+
+def aux_ids(head: Eagle3Head, target) -> tuple[int, ...]:
+    return head.config.resolved_aux_layer_ids(target.config.num_hidden_layers)
+
+
+def preflight(cfg: TrainConfig, target_config) -> tuple[int, ...]:
+    """The aux layer ids to train with; ValueError unless 3 distinct ascending ids < L."""
+    num_layers = target_config.num_hidden_layers
+    layers = tuple(cfg.aux_layer_ids or default_aux_layer_ids(num_layers))
+    if len(layers) != 3 or list(layers) != sorted(set(layers)) or not 0 <= layers[0] < layers[-1] < num_layers:
+        raise ValueError(f"EAGLE-3 aux layer ids {list(layers)} must be 3 distinct ascending ids in "
+                         f"[0, {num_layers}) (engines concatenate them in ascending order): "
+                         "pass --aux-layers, e.g. --aux-layers 1,2,3 for a 4-layer target")
+    return layers
+
+
+def build_head(target, samples, cfg: TrainConfig) -> Eagle3Head:
+    """A new head shaped like the target, with the draft vocab from the samples' token counts.
+
+    Start: lm_head rows and final norm copied from the target, fc passing the HIGH aux
+    state through (fc = [0, 0, I]), the decoder layer N(0, 0.02) — so the untrained
+    head already reads the target's own late features through the target's own output
+    layer, and training learns the one-token shift.
+    """
+    tconf = target.config
+    vocab = tconf.vocab_size
+    size = min(cfg.draft_vocab_size, vocab)
+    ids = draft_vocab_ids(token_counts(samples, vocab), size)
+    layers = preflight(cfg, tconf)
+    config = Eagle3Config.for_target(tconf, draft_vocab_size=size, aux_layer_ids=tuple(layers),
+                                     specplug=specplug_section("eagle3"))
+    head = Eagle3Head(config)
+    _init_weights(head, target)
+    install_draft_vocab(head, ids, target.get_output_embeddings().weight.detach().float())
+    head.set_target_embedding(target.get_input_embeddings())
+    coverage = float(token_counts(samples, vocab)[ids].sum()) / max(1, sum(sum(s.loss_mask) for s in samples))
+    logger.info("EAGLE-3 head: draft vocab %d of %d (covers %.1f%% of assistant tokens), aux layers %s",
+                size, vocab, 100 * coverage, list(layers))
+    return head.to(cfg.device)
+
+
+def _init_weights(head: Eagle3Head, target) -> None:
+    h = head.config.hidden_size
+    with torch.no_grad():
+        for module in head.midlayer.modules():
+            if isinstance(module, torch.nn.Linear):
+                module.weight.normal_(0.0, INIT_STD)
+                if module.bias is not None:
+                    module.bias.zero_()
+        head.fc.weight.zero_()
+        if head.config.target_hidden_size == h:
+            head.fc.weight[:, 2 * h:] = torch.eye(h)
+        norm = getattr(target.base_model, "norm", None)
+        if norm is not None and getattr(norm, "weight", None) is not None and norm.weight.shape == (h,):
+            head.norm.weight.copy_(norm.weight.float())
+
+
+def ttt_mask(attention_mask: torch.Tensor, step: int) -> torch.Tensor:
+    """Bool [B, T, (step+1)*T]: causal over step 0's keys (real tokens only), then the
+    diagonal for each of steps 1..step (a row's own ancestors)."""
+    b, t = attention_mask.shape
+    causal = torch.ones(t, t, dtype=torch.bool, device=attention_mask.device).tril()
+    blocks = [causal[None] & attention_mask[:, None, :].bool()]
+    eye = torch.eye(t, dtype=torch.bool, device=attention_mask.device)[None].expand(b, t, t)
+    return torch.cat(blocks + [eye] * step, dim=-1)
+
+
+def loss(head: Eagle3Head, tgt: TargetOutput, batch: Batch, cfg: TrainConfig):
+    """Weighted soft cross-entropy over cfg.ttt_steps unrolled steps.
+
+    Returns (loss, accuracy [ttt_steps]) where accuracy[j] is the fraction of scored rows
+    whose draft top-1 (mapped to a target id) equals the target's top-1.
+    """
+    b, t = batch.input_ids.shape
+    vocab_ids = draft_token_ids(head)  # [draft_vocab]
+    hidden = head.combine(tgt.aux)  # [B, T, H]
+    base = torch.arange(t, device=hidden.device)[None].expand(b, t)  # [B, T]
+    past, total, accuracy = None, 0.0, []
+    for j in range(cfg.ttt_steps):
+        inputs = shift_left(batch.input_ids, j + 1)  # token i+j+1
+        out = head(inputs, hidden, base + j, ttt_mask(batch.attention_mask, j), past)
+        logits = head.compute_logits(out.normed)  # [B, T, draft_vocab]
+        rows = shift_left(batch.loss_mask, j + 2).bool()  # token i+j+2 is an assistant token
+        bi, ti = rows.nonzero(as_tuple=True)
+        p_full = tgt.logits[bi, ti + j + 1]  # [N, vocab] target scores for token i+j+2
+        p = F.softmax(p_full[:, vocab_ids], dim=-1)  # [N, draft_vocab]
+        logq = F.log_softmax(logits[bi, ti].float(), dim=-1)  # [N, draft_vocab]
+        step_loss = -(p * logq).sum(-1).mean() if len(bi) else logits.sum() * 0.0
+        total = total + cfg.step_decay ** j * step_loss
+        hit = vocab_ids[logq.argmax(-1)] == p_full.argmax(-1)
+        accuracy.append(hit.float().mean() if len(bi) else torch.tensor(0.0))
+        k, v = out.kv
+        past = (k, v) if past is None else (torch.cat([past[0], k], 2), torch.cat([past[1], v], 2))
+        hidden = out.hidden
+    return total, torch.stack([a.detach() for a in accuracy])
+
+
+def checkpoint_tensors(head: Eagle3Head) -> dict[str, torch.Tensor]:
+    return {k: v.float() if v.is_floating_point() else v for k, v in head.state_dict().items()}
+
+
+def head_config(head: Eagle3Head) -> dict:
+    return head.config.to_dict()
+
+
+def load_checkpoint(ckpt: Path, target, cfg: TrainConfig):
+    """Head and loop state from a checkpoint; d2t/t2d come from it, never re-derived."""
+    state, tensors, config = read_checkpoint_state(ckpt)
+    head = Eagle3Head.from_state_dict(Eagle3Config.from_dict(config), tensors,
+                                      target_embedding=target.get_input_embeddings())
+    logger.info("resuming EAGLE-3 training at step %d", state["step"])
+    return head.to(cfg.device), state
+
+
+def save_output(head: Eagle3Head, out: Path, cfg: TrainConfig, state: dict, ctx) -> list[str]:
+    """Write the head (EAGLE/SpecForge format by default) in cfg.save_dtype."""
+    from specplug.common import formats
+
+    dtype = getattr(torch, cfg.save_dtype)
+    tensors = {k: (v.detach().to("cpu", dtype) if v.is_floating_point() else v.detach().cpu())
+               for k, v in head.state_dict().items()}
+    config = head.config.to_dict()
+    report = formats.save_head((config, tensors), out, cfg.format or "eagle3", target_config=cfg.target,
+                               overwrite=True)
+    return report.files

@@ -1,0 +1,199 @@
+"""Medusa training: residual blocks on the frozen target's last hidden state, and the
+compact form in which specplug commits Medusa heads.
+
+Head k at position t predicts token t+k+2 and is scored against the target's own
+distribution at position t+k+1 (self-distillation: the label is what the target
+would generate, not what the data says). Each head's vocab projection is TIED to the
+target's lm_head and frozen; only the residual blocks train (zero-initialised, so an
+untrained head k repeats the target's next-token guess). After training, each head's
+rank accuracies (accuracies[h][r] = P(head h's rank-r token is the target's top-1),
+on held-out conversations) go into the `specplug` section as `head_accuracies`, from
+which `specplug.common.tree.optimal_sparse` builds the verification tree.
+
+Compact form (`compact`, `materialise`): because the vocab projections equal the
+target's lm_head, a Medusa head set is fully described by config.json + its residual
+blocks (`medusa_resblocks.safetensors`, ~0.7 MB per head in bf16 for a 576-wide
+target, against 57 MB per head for the full FasterDecoding file). `materialise`
+rebuilds the standard FasterDecoding folder from the compact one and the target.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from specplug.common.heads.medusa import MedusaConfig, MedusaHeads
+from specplug.common.train import (
+    Batch, TargetOutput, TrainConfig, batch_at, read_checkpoint_state, shift_left, specplug_section, target_pass)
+
+logger = logging.getLogger(__name__)
+
+RESBLOCKS_FILE = "medusa_resblocks.safetensors"
+
+
+def preflight(cfg: TrainConfig, target_config) -> None:
+    """Nothing Medusa-specific to check before the target loads."""
+
+
+def aux_ids(head, target) -> None:
+    return None  # Medusa reads only the last hidden state
+
+
+def build_head(target, samples, cfg: TrainConfig) -> MedusaHeads:
+    tconf = target.config
+    config = MedusaConfig(medusa_num_heads=cfg.num_heads, medusa_num_layers=cfg.num_layers,
+                          hidden_size=tconf.hidden_size, vocab_size=tconf.vocab_size,
+                          base_model_name_or_path=str(cfg.target), specplug=specplug_section("medusa"))
+    heads = MedusaHeads(config)
+    with torch.no_grad():
+        for name, param in heads.named_parameters():
+            if ".linear." in name:
+                param.zero_()
+    tie_to_target(heads, target)
+    logger.info("Medusa: %d heads x %d residual blocks, vocab projections tied to the target's lm_head",
+                cfg.num_heads, cfg.num_layers)
+    return heads.to(cfg.device)
+
+
+def tie_to_target(heads: MedusaHeads, target) -> None:
+    """Make every head's vocab projection the target's (frozen) lm_head weight."""
+    weight = target.get_output_embeddings().weight
+    for head in heads:
+        head[-1].weight = weight
+
+
+def loss(heads: MedusaHeads, tgt: TargetOutput, batch: Batch, cfg: TrainConfig):
+    """Weighted soft cross-entropy of each head against the target's distribution
+    k+1 positions later. Returns (loss, top-1 accuracy [heads])."""
+    total, accuracy = 0.0, []
+    for k, head in enumerate(heads):
+        rows = shift_left(batch.loss_mask, k + 2).bool()  # token t+k+2 is an assistant token
+        bi, ti = rows.nonzero(as_tuple=True)
+        if len(bi) == 0:
+            accuracy.append(torch.tensor(0.0))
+            continue
+        logq = F.log_softmax(head(tgt.last_hidden[bi, ti]).float(), dim=-1)  # [N, vocab]
+        p = F.softmax(tgt.logits[bi, ti + k + 1], dim=-1)  # [N, vocab]
+        total = total + cfg.step_decay ** k * -(p * logq).sum(-1).mean()
+        accuracy.append((logq.argmax(-1) == p.argmax(-1)).float().mean().detach())
+    return total, torch.stack(accuracy)
+
+
+@torch.no_grad()
+def rank_accuracies(heads: MedusaHeads, target, batches, topk: int) -> list[list[float]]:
+    """accuracies[h][r]: fraction of scored positions where head h's rank-r token is the
+    target's top-1 token for that position (ranks 0..topk-1)."""
+    hits = torch.zeros(len(heads), topk)
+    seen = torch.zeros(len(heads))
+    for batch in batches:
+        tgt = target_pass(target, batch)
+        for k, head in enumerate(heads):
+            rows = shift_left(batch.loss_mask, k + 2).bool()
+            bi, ti = rows.nonzero(as_tuple=True)
+            top = head(tgt.last_hidden[bi, ti]).topk(topk, dim=-1).indices  # [N, topk]
+            label = tgt.logits[bi, ti + k + 1].argmax(-1)  # [N]
+            hits[k] += (top == label[:, None]).float().sum(0)
+            seen[k] += len(bi)
+    return [[round(float(x), 4) for x in row] for row in hits / seen.clamp(min=1)[:, None]]
+
+
+def checkpoint_tensors(heads: MedusaHeads) -> dict[str, torch.Tensor]:
+    """Only the trained residual blocks (the vocab projections are the target's)."""
+    return {k: v.float() for k, v in heads.state_dict().items() if ".linear." in k}
+
+
+def head_config(heads: MedusaHeads) -> dict:
+    return heads.config.to_dict()
+
+
+def load_checkpoint(ckpt: Path, target, cfg: TrainConfig):
+    state, tensors, config = read_checkpoint_state(ckpt)
+    heads = MedusaHeads(MedusaConfig.from_dict(config))
+    tie_to_target(heads, target)
+    missing = heads.load_state_dict(tensors, strict=False).missing_keys
+    if any(".linear." in k for k in missing):
+        raise ValueError(f"checkpoint {ckpt} lacks residual blocks {missing}: it was written for other settings")
+    logger.info("resuming Medusa training at step %d", state["step"])
+    return heads.to(cfg.device), state
+
+
+def save_output(heads: MedusaHeads, out: Path, cfg: TrainConfig, state: dict, ctx) -> list[str]:
+    """Measure rank accuracies on the held-out samples, then write FasterDecoding (default) format."""
+    from specplug.common import formats
+
+    count = -(-len(ctx.heldout) // cfg.batch_size)
+    batches = [Batch(*(x.to(cfg.device) for x in batch_at(ctx.heldout, i, cfg.batch_size, ctx.pad_id)))
+               for i in range(count)]
+    accuracies = rank_accuracies(heads, ctx.target, batches, cfg.topk) if batches else None
+    config = heads.config.to_dict()
+    config["specplug"] = specplug_section("medusa", head_accuracies=accuracies)
+    dtype = getattr(torch, cfg.save_dtype)
+    tensors = {k: v.detach().to("cpu", dtype) for k, v in heads.state_dict().items()}
+    report = formats.save_head((config, tensors), out, cfg.format or "medusa", target_config=cfg.target,
+                               overwrite=True)
+    state["head_accuracies"] = accuracies
+    return report.files
+
+
+# ---------------------------------------------------------------------------------------
+# Compact form: config.json + residual blocks; vocab projections = the target's lm_head
+# ---------------------------------------------------------------------------------------
+def target_lm_head(target_dir: str | Path) -> torch.Tensor:
+    """The target's lm_head weight [vocab, hidden] read from its safetensors (tied -> embedding)."""
+    from safetensors import safe_open
+
+    target_dir = Path(target_dir)
+    config = json.loads((target_dir / "config.json").read_text())
+    names = ["lm_head.weight"] + (["model.embed_tokens.weight"] if config.get("tie_word_embeddings") else [])
+    for file in sorted(target_dir.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            for name in names:
+                if name in f.keys():
+                    return f.get_tensor(name)
+    raise ValueError(f"{target_dir}: no {names} in its safetensors files; cannot tie Medusa vocab projections")
+
+
+def compact(full_dir: str | Path, out_dir: str | Path, target_dir: str | Path) -> Path:
+    """Write the compact form of a FasterDecoding head whose vocab projections are the target's."""
+    from safetensors.torch import save_file
+
+    from specplug.common import formats
+
+    head = formats.load_head(full_dir, target_dir)
+    layers = head.config["medusa_num_layers"]
+    lm_head = target_lm_head(target_dir)
+    for k in range(head.config["medusa_num_heads"]):
+        proj = head.state_dict[f"{k}.{layers}.weight"]
+        if not torch.equal(proj, lm_head.to(proj.dtype)):
+            raise ValueError(f"head {k}'s vocab projection differs from the target's lm_head: "
+                             "this head set was not trained tied; keep the full FasterDecoding folder")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    blocks = {k: v.contiguous() for k, v in head.state_dict.items() if ".linear." in k}
+    save_file(blocks, str(out / RESBLOCKS_FILE))
+    (out / "config.json").write_text(json.dumps(head.config, indent=2, sort_keys=True) + "\n")
+    return out
+
+
+def materialise(compact_dir: str | Path, target_dir: str | Path, out_dir: str | Path,
+                *, overwrite: bool = False) -> Path:
+    """Rebuild the FasterDecoding folder (validated) from a compact head and its target."""
+    from safetensors.torch import load_file
+
+    from specplug.common import formats
+
+    compact_dir = Path(compact_dir)
+    config = json.loads((compact_dir / "config.json").read_text())
+    blocks = load_file(str(compact_dir / RESBLOCKS_FILE))
+    dtype = next(iter(blocks.values())).dtype
+    lm_head = target_lm_head(target_dir).to(dtype)
+    state = dict(blocks)
+    for k in range(config["medusa_num_heads"]):
+        state[f"{k}.{config['medusa_num_layers']}.weight"] = lm_head
+    formats.save_head((config, state), out_dir, "medusa", target_config=str(target_dir), overwrite=overwrite)
+    formats.validate(formats.load_head(out_dir), str(target_dir))
+    return Path(out_dir)

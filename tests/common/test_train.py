@@ -1,0 +1,191 @@
+"""specplug train on the tiny Llama: the loss falls, the checkpoint loads back, resume and
+the up-front errors work, and the EAGLE-3 draft vocab stays aligned with its lm_head."""
+
+import json
+
+import pytest
+import torch
+
+from specplug.common import formats
+from specplug.common import train as T
+from specplug.common import train_eagle3 as E
+from specplug.common import train_medusa as M
+from specplug.common.heads import Eagle3Head, MedusaHeads
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models run faster on one thread (no OpenMP hand-offs), most of all on a busy machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+COUNT = "one two three four five six seven eight nine ten".split()
+
+
+def _cycle(start: int, n: int) -> str:
+    return " ".join(COUNT[(start + i) % len(COUNT)] for i in range(n))
+
+
+@pytest.fixture(scope="module")
+def counting_data(tmp_path_factory):
+    """ShareGPT-style JSONL whose replies count in a cycle: the token two places ahead is a
+    function of the current one, so a head CAN learn it even on a random target."""
+    path = tmp_path_factory.mktemp("data") / "count.jsonl"
+    rows = [{"conversations": [{"from": "human", "value": "count from " + COUNT[i % 10]},
+                               {"from": "gpt", "value": _cycle(i, 24)}]} for i in range(60)]
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    return path
+
+
+def _config(method, target, out, data, **kw):
+    base = dict(method=method, target=str(target), out=str(out), data=str(data), steps=24, batch_size=4,
+                max_length=48, lr=3e-3, warmup_steps=3, heldout_samples=4, draft_vocab_size=128,
+                checkpoint_every=10, topk=4, aux_layer_ids=(1, 2, 3))
+    base.update(kw)
+    return T.TrainConfig(**base)
+
+
+@pytest.fixture(scope="module")
+def trained(tiny_llama_path, counting_data, tmp_path_factory):
+    """Each method trained once for 24 steps on the tiny Llama."""
+    out = {}
+    for method in ("eagle3", "medusa"):
+        folder = tmp_path_factory.mktemp(method)
+        out[method] = (T.train(_config(method, tiny_llama_path, folder, counting_data)), folder)
+    return out
+
+
+def _falls(losses, factor):
+    first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
+    return last < factor * first, (first, last)
+
+
+@pytest.mark.timeout(600)
+def test_eagle3_loss_falls_and_head_loads_back(trained, tiny_llama_path):
+    result, folder = trained["eagle3"]
+    state = json.loads((folder / "checkpoint" / "state.json").read_text())
+    ok, ends = _falls(state["losses"], 0.7)
+    assert ok, f"EAGLE-3 loss did not fall by 30% in 24 steps: {ends}"
+    assert result.files == ["config.json", "model.safetensors"]
+    head = formats.load_head_module(folder, str(tiny_llama_path))
+    assert isinstance(head, Eagle3Head)
+    assert head.fc.weight.dtype == torch.bfloat16
+    config = json.loads((folder / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLMEagle3"]
+    assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]
+    assert config["specplug"]["method"] == "eagle3" and config["specplug"]["verification"] == "lossless"
+    # d2t, t2d and lm_head were written together: t2d marks exactly the ids d2t maps to
+    ids = head.to_target_ids(torch.arange(head.config.draft_vocab_size))
+    assert torch.equal(head.t2d.nonzero().flatten(), ids)
+    assert bool((ids[1:] > ids[:-1]).all())
+
+
+@pytest.mark.timeout(600)
+def test_medusa_loss_falls_and_records_head_accuracies(trained, tiny_llama_path):
+    result, folder = trained["medusa"]
+    state = json.loads((folder / "checkpoint" / "state.json").read_text())
+    ok, ends = _falls(state["losses"], 0.8)
+    assert ok, f"Medusa loss did not fall by 20% in 24 steps: {ends}"
+    heads = formats.load_head_module(folder, str(tiny_llama_path))
+    assert isinstance(heads, MedusaHeads) and heads.num_heads == 4
+    acc = json.loads((folder / "config.json").read_text())["specplug"]["head_accuracies"]
+    assert len(acc) == 4 and all(len(row) == 4 for row in acc)
+    assert all(0.0 <= sum(row) <= 1.0 + 1e-6 for row in acc)  # ranks are exclusive events
+    assert acc[0][0] > 0.5  # the counting pattern is learnable (chance: ~1/10)
+
+
+@pytest.mark.timeout(600)
+def test_medusa_compact_form_materialises_bit_exactly(trained, tiny_llama_path, tmp_path):
+    _, folder = trained["medusa"]
+    small = M.compact(folder, tmp_path / "small", tiny_llama_path)
+    assert sorted(p.name for p in small.iterdir()) == ["config.json", M.RESBLOCKS_FILE]
+    full = M.materialise(small, tiny_llama_path, tmp_path / "full")
+    a, b = formats.load_head(folder), formats.load_head(full)
+    assert a.state_dict.keys() == b.state_dict.keys()
+    assert all(torch.equal(a.state_dict[k], b.state_dict[k]) for k in a.state_dict)
+
+
+@pytest.mark.timeout(600)
+def test_resume_continues_from_the_checkpoint(tiny_llama_path, counting_data, tmp_path):
+    cfg = _config("eagle3", tiny_llama_path, tmp_path / "h", counting_data, steps=4, checkpoint_every=2)
+    T.train(cfg)
+    first = formats.load_head(tmp_path / "h").state_dict["d2t"].clone()
+    with pytest.raises(ValueError, match="already holds a head or checkpoint"):
+        T.train(cfg)
+    resumed = T.train(_config("eagle3", tiny_llama_path, tmp_path / "h", counting_data, steps=6, resume=True))
+    assert resumed.steps == 6
+    state = json.loads((tmp_path / "h" / "checkpoint" / "state.json").read_text())
+    assert len(state["losses"]) == 6
+    assert torch.equal(formats.load_head(tmp_path / "h").state_dict["d2t"], first)  # never re-derived
+
+
+def test_clear_errors_before_any_work(tiny_llama_path, counting_data, tmp_path):
+    not_lm = tmp_path / "encoder"
+    not_lm.mkdir()
+    (not_lm / "config.json").write_text(json.dumps({"architectures": ["BertModel"], "model_type": "bert"}))
+    with pytest.raises(ValueError, match="is not a causal LM"):
+        T.train(_config("eagle3", not_lm, tmp_path / "o1", counting_data))
+    with pytest.raises(ValueError, match="no config.json"):
+        T.train(_config("eagle3", tmp_path / "missing", tmp_path / "o2", counting_data))
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    with pytest.raises(ValueError, match="no conversation with an assistant turn"):
+        T.train(_config("medusa", tiny_llama_path, tmp_path / "o3", empty))
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"conversations": 5}\n')
+    with pytest.raises(ValueError, match="not ShareGPT-style"):
+        T.train(_config("medusa", tiny_llama_path, tmp_path / "o4", bad))
+    with pytest.raises(ValueError, match="expected 'sharegpt' or a path"):
+        T.train(_config("medusa", tiny_llama_path, tmp_path / "o5", tmp_path / "nope.jsonl"))
+    with pytest.raises(ValueError, match="holds no checkpoint"):
+        T.train(_config("medusa", tiny_llama_path, tmp_path / "o6", counting_data, resume=True))
+    with pytest.raises(ValueError, match="exclude each other"):
+        _config("medusa", tiny_llama_path, tmp_path / "o7", counting_data, resume=True, overwrite=True)
+    from transformers import AutoConfig
+    with pytest.raises(ValueError, match="lower --batch-size"):
+        T.check_memory(_config("eagle3", tiny_llama_path, tmp_path / "o8", counting_data),
+                       AutoConfig.from_pretrained(tiny_llama_path), available=1 << 20)
+
+
+def test_draft_vocab_is_the_most_frequent_ids_sorted_and_installed_together():
+    counts = torch.tensor([5, 0, 9, 9, 1, 7])
+    ids = E.draft_vocab_ids(counts, 3)
+    assert ids.tolist() == [2, 3, 5]
+    from specplug.common.heads import Eagle3Config
+    head = Eagle3Head(Eagle3Config(hidden_size=8, intermediate_size=16, num_attention_heads=2,
+                                   num_key_value_heads=1, vocab_size=6, draft_vocab_size=3, target_hidden_size=8))
+    lm = torch.arange(48, dtype=torch.float32).reshape(6, 8)
+    E.install_draft_vocab(head, ids, lm)
+    assert E.draft_token_ids(head).tolist() == [2, 3, 5]
+    assert head.t2d.tolist() == [False, False, True, True, False, True]
+    assert torch.equal(head.lm_head.weight, lm[[2, 3, 5]])
+    with pytest.raises(ValueError, match="strictly ascending"):
+        E.install_draft_vocab(head, torch.tensor([3, 2, 5]), lm)
+
+
+def test_ttt_mask_is_causal_then_diagonal():
+    attn = torch.tensor([[1, 1, 1, 0]])
+    mask = E.ttt_mask(attn, 2)  # [1, 4, 12]
+    assert mask.shape == (1, 4, 12)
+    assert mask[0, 2, :4].tolist() == [True, True, True, False]
+    assert mask[0, 3, :4].tolist() == [True, True, True, False]  # padding key never visible
+    assert torch.equal(mask[0, :, 4:8], torch.eye(4, dtype=torch.bool))
+    assert torch.equal(mask[0, :, 8:], torch.eye(4, dtype=torch.bool))
+
+
+def test_assistant_mask_covers_replies_only(tiny_llama_path):
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(tiny_llama_path)
+    msgs = [{"role": "user", "content": "one two"}, {"role": "assistant", "content": "three four"}]
+    sample = T.tokenize_conversation(tok, msgs, 64)
+    masked = tok.decode([t for t, m in zip(sample.input_ids, sample.loss_mask) if m])
+    assert masked.strip().startswith("three four") and "<|im_end|>" in masked and "one" not in masked
+
+
+def test_eagle3_aux_layers_must_be_distinct_and_ascending(tiny_llama_path, counting_data, tmp_path):
+    with pytest.raises(ValueError, match="3 distinct ascending ids"):  # default (2, 2, 1) for 4 layers
+        T.train(_config("eagle3", tiny_llama_path, tmp_path / "o", counting_data, aux_layer_ids=None))
+    with pytest.raises(ValueError, match="3 distinct ascending ids"):
+        T.train(_config("eagle3", tiny_llama_path, tmp_path / "o", counting_data, aux_layer_ids=(1, 2, 4)))
