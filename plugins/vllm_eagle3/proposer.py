@@ -121,8 +121,11 @@ def make_proposer_class(eagle_proposer_cls):
                 start, end = starts[b], starts[b + 1] - rejected[b]
                 if end <= start:
                     continue
+                next_token = int(next_token_ids[b])
+                if discarded[b]:  # partial prefill: vLLM's next token is a placeholder
+                    next_token = self.runner.requests[req_id].get_token_id(int(positions[end - 1]) + 1)
                 root = self._catch_up(req_id, token_ids[start:end], positions[start:end],
-                                      hidden[start:end], int(next_token_ids[b]))
+                                      hidden[start:end], next_token)
                 if not discarded[b]:  # partial prefills: vLLM discards their drafts
                     rows.append(b)
                     roots.append(root)

@@ -120,3 +120,21 @@ def test_chain_layout_is_verify_flat_layout():
     assert candidates.tolist() == [[0, 5, 6], [0, 0, 0], [0, 7, 0]]
     assert parents.tolist() == [[-1, 0, 1], [-1, -1, -1], [-1, 0, -1]]
     assert num_nodes.tolist() == [3, 1, 2]
+
+
+def test_chunked_prefill_keeps_greedy_exact(target, specplug_head):
+    """A prompt longer than the token budget is prefilled in chunks; vLLM discards the
+    drafts of partial prefills and the head must still see every committed position."""
+    from vllm import LLM
+
+    long_prompt = " ".join(PROMPTS[:8]) * 2  # ~300 tokens, prefilled in 64-token chunks
+    sampling = params(max_tokens=24, temperature=0.0)
+    common = dict(model=str(target), dtype="float32", seed=0, max_model_len=512, enforce_eager=True,
+                  distributed_executor_backend="uni", max_num_batched_tokens=64, max_num_seqs=4)
+    llm = LLM(**common, per_request_spec_decode_metrics="summary", speculative_config={
+        "method": "eagle3", "model": str(specplug_head), "num_speculative_tokens": NUM_SPEC_TOKENS})
+    spec, stats = run(llm, [long_prompt, PROMPTS[0]], sampling)
+    del llm
+    baseline = token_ids(LLM(**common).generate([long_prompt, PROMPTS[0]], sampling, use_tqdm=False))
+    assert stats.num_drafts > 0
+    assert spec == baseline
