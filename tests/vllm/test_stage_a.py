@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from specplug.vllm_eagle3.metrics import stats_from_outputs
-from tests.vllm.conftest import NUM_SPEC_TOKENS, PROMPTS
+from tests.vllm.conftest import NUM_SPEC_TOKENS, PROMPTS, drafter_of
 from tests.vllm.tiny_heads import AGREE_TOKEN, CONSTANT_TARGET_LOGITS
 
 pytestmark = pytest.mark.vllm
@@ -40,14 +40,33 @@ def test_greedy_matches_no_speculation(engine, target, specplug_head, batch):
     assert spec == token_ids(engine(target).generate(prompts, sampling, use_tqdm=False))
 
 
+def _recorded_drafts(llm, prompts, sampling):
+    """Run the engine recording every draft its proposer returns: (outputs, stats, drafts)."""
+    drafter = drafter_of(llm)
+    drafts, propose = [], drafter.propose
+
+    def recording(*args, **kwargs):
+        out = propose(*args, **kwargs)
+        drafts.append(out.tolist())
+        return out
+
+    drafter.propose = recording
+    try:
+        return (*run(llm, prompts, sampling), drafts)
+    finally:
+        del drafter.propose
+
+
 def test_topk1_tree_drafts_what_vllm_builtin_drafts(engine, target, chain_head, plain_head):
-    """With topk=1 the tree is EAGLE's greedy chain: same drafts as vLLM's own eagle3
-    with the same weights, so the same acceptance counts at every position."""
+    """With topk=1 the tree is EAGLE's greedy chain: every step's drafts equal vLLM's own
+    eagle3 drafts with the same weights (the random head's attention reads the whole
+    cache, so this checks the dense head KV stays in sync through vLLM's rollbacks)."""
     sampling = params(max_tokens=24, temperature=0.0)
-    ours, ours_stats = run(engine(target, chain_head), PROMPTS[:8], sampling)
-    builtin, builtin_stats = run(engine(target, plain_head), PROMPTS[:8], sampling)
+    ours, ours_stats, ours_drafts = _recorded_drafts(engine(target, chain_head), PROMPTS[:8], sampling)
+    builtin, builtin_stats, builtin_drafts = _recorded_drafts(engine(target, plain_head), PROMPTS[:8], sampling)
     assert ours == builtin
     assert ours_stats == builtin_stats
+    assert len(ours_drafts) > 10 and ours_drafts == builtin_drafts
 
 
 def test_agreeing_draft_is_accepted_at_every_position(engine, constant_target, agreeing_head):
@@ -122,19 +141,26 @@ def test_chain_layout_is_verify_flat_layout():
     assert num_nodes.tolist() == [3, 1, 2]
 
 
-def test_chunked_prefill_keeps_greedy_exact(target, specplug_head):
-    """A prompt longer than the token budget is prefilled in chunks; vLLM discards the
-    drafts of partial prefills and the head must still see every committed position."""
+def test_chunked_prefill_keeps_head_in_sync(engine, target, chain_head, plain_head):
+    """A prompt longer than the token budget is prefilled in 64-token chunks; vLLM
+    discards the drafts of partial prefills, and the head must still see every committed
+    position with the right next token. After the prefill, every step's drafts equal
+    vLLM's built-in eagle3 drafts for the same prompt prefilled in one piece. (vLLM's
+    built-in itself feeds its head the LAST prompt token at each chunk boundary, so its
+    chunked drafts drift; ours do not.)"""
     from vllm import LLM
 
-    long_prompt = " ".join(PROMPTS[:8]) * 2  # ~300 tokens, prefilled in 64-token chunks
-    sampling = params(max_tokens=24, temperature=0.0)
-    common = dict(model=str(target), dtype="float32", seed=0, max_model_len=512, enforce_eager=True,
-                  distributed_executor_backend="uni", max_num_batched_tokens=64, max_num_seqs=4)
-    llm = LLM(**common, per_request_spec_decode_metrics="summary", speculative_config={
-        "method": "eagle3", "model": str(specplug_head), "num_speculative_tokens": NUM_SPEC_TOKENS})
-    spec, stats = run(llm, [long_prompt, PROMPTS[0]], sampling)
+    long_prompt = " ".join(PROMPTS[:8]) * 2  # ~300 tokens
+    max_tokens = 24
+    sampling = params(max_tokens=max_tokens, temperature=0.0)
+    chunked = dict(model=str(target), dtype="float32", seed=0, max_model_len=512, enforce_eager=True,
+                   distributed_executor_backend="uni", max_num_batched_tokens=64, max_num_seqs=4)
+    llm = LLM(**chunked, per_request_spec_decode_metrics="summary", speculative_config={
+        "method": "eagle3", "model": str(chain_head), "num_speculative_tokens": NUM_SPEC_TOKENS})
+    ours, stats, ours_drafts = _recorded_drafts(llm, [long_prompt], sampling)
     del llm
-    baseline = token_ids(LLM(**common).generate([long_prompt, PROMPTS[0]], sampling, use_tqdm=False))
+    builtin, _, builtin_drafts = _recorded_drafts(engine(target, plain_head), [long_prompt], sampling)
     assert stats.num_drafts > 0
-    assert spec == baseline
+    assert ours == builtin == token_ids(LLM(**chunked).generate([long_prompt], sampling, use_tqdm=False))
+    decode_steps = max_tokens - 1  # every draft is rejected by the random head: one token per step
+    assert ours_drafts[-decode_steps:] == builtin_drafts[-decode_steps:]
