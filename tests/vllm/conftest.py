@@ -65,7 +65,7 @@ def specplug_log():
 _ENGINES: dict = {}
 
 
-def _start(target: str, head: str | None, num_spec_tokens: int):
+def _start(target: str, head: str | None, num_spec_tokens: int, overrides: tuple):
     from vllm import LLM
 
     spec = {}
@@ -74,16 +74,19 @@ def _start(target: str, head: str | None, num_spec_tokens: int):
             "method": "eagle3", "model": head, "num_speculative_tokens": num_spec_tokens}}
     return LLM(
         model=target, dtype="float32", seed=0, max_model_len=512, enforce_eager=True,
-        distributed_executor_backend="uni", disable_log_stats=False, **spec,
+        distributed_executor_backend="uni", disable_log_stats=False, **spec, **dict(overrides),
     )
 
 
 @pytest.fixture(scope="session")
 def engine(specplug_log):
-    """engine(target_dir, head_dir=None, k=3) -> a cached vllm.LLM."""
+    """engine(target_dir, head_dir=None, num_spec_tokens=3, **engine_args) -> a cached
+    vllm.LLM. Engines are never deleted mid-session: tearing one down in-process also
+    tears down vLLM's global parallel state that the others use."""
 
-    def get(target, head=None, num_spec_tokens=NUM_SPEC_TOKENS):
-        key = (str(target), None if head is None else str(head), num_spec_tokens)
+    def get(target, head=None, num_spec_tokens=NUM_SPEC_TOKENS, **overrides):
+        key = (str(target), None if head is None else str(head), num_spec_tokens,
+               tuple(sorted(overrides.items())))
         if key not in _ENGINES:
             _ENGINES[key] = _start(*key)
         return _ENGINES[key]

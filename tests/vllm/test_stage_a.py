@@ -148,19 +148,13 @@ def test_chunked_prefill_keeps_head_in_sync(engine, target, chain_head, plain_he
     vLLM's built-in eagle3 drafts for the same prompt prefilled in one piece. (vLLM's
     built-in itself feeds its head the LAST prompt token at each chunk boundary, so its
     chunked drafts drift; ours do not.)"""
-    from vllm import LLM
-
     long_prompt = " ".join(PROMPTS[:8]) * 2  # ~300 tokens
     max_tokens = 24
     sampling = params(max_tokens=max_tokens, temperature=0.0)
-    chunked = dict(model=str(target), dtype="float32", seed=0, max_model_len=512, enforce_eager=True,
-                   distributed_executor_backend="uni", max_num_batched_tokens=64, max_num_seqs=4)
-    llm = LLM(**chunked, per_request_spec_decode_metrics="summary", speculative_config={
-        "method": "eagle3", "model": str(chain_head), "num_speculative_tokens": NUM_SPEC_TOKENS})
-    ours, stats, ours_drafts = _recorded_drafts(llm, [long_prompt], sampling)
-    del llm
+    chunked = dict(max_num_batched_tokens=64, max_num_seqs=4)
+    ours, stats, ours_drafts = _recorded_drafts(engine(target, chain_head, **chunked), [long_prompt], sampling)
     builtin, _, builtin_drafts = _recorded_drafts(engine(target, plain_head), [long_prompt], sampling)
     assert stats.num_drafts > 0
-    assert ours == builtin == token_ids(LLM(**chunked).generate([long_prompt], sampling, use_tqdm=False))
+    assert ours == builtin == token_ids(engine(target, **chunked).generate([long_prompt], sampling, use_tqdm=False))
     decode_steps = max_tokens - 1  # every draft is rejected by the random head: one token per step
     assert ours_drafts[-decode_steps:] == builtin_drafts[-decode_steps:]
