@@ -66,6 +66,8 @@ def handle_server_args(server_args) -> None:
     server_args.speculative_num_steps = settings.tree.depth
     server_args.speculative_eagle_topk = settings.tree.topk
     server_args.disable_overlap_schedule = True
+    if cfg.device == "cpu" and cfg.attention_backend is None:
+        server_args.attention_backend = "torch_native"  # the CPU backend with tree verification
     server_args.enable_mixed_chunk = False
     if cfg.max_running_requests is None:
         server_args.max_running_requests = 48
