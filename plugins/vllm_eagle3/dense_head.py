@@ -21,6 +21,15 @@ class DraftStep(NamedTuple):
     value: torch.Tensor  # [T, kv_heads, head_dim]
 
 
+class Segment(NamedTuple):
+    """One request's rows in a batched head step."""
+
+    rows: slice  # its rows among the step's T rows
+    past_key: torch.Tensor  # [S, kv_heads, head_dim] what those rows may attend to before them
+    past_value: torch.Tensor
+    mask: torch.Tensor  # Bool [rows, S + rows]: row t may attend to column j
+
+
 class DenseEagle3Head:
     """One EAGLE-3 midlayer step over T inputs with caller-owned dense KV.
 
@@ -56,9 +65,10 @@ class DenseEagle3Head:
         return self.model.combine_hidden_states(aux_hidden)
 
     def step(self, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
-             past_key: torch.Tensor, past_value: torch.Tensor, mask: torch.Tensor) -> DraftStep:
-        """tokens [T], hidden [T, H], positions [T]; past_key/value [S, kv_heads, head_dim];
-        mask Bool [T, S + T] (row t may attend to column j). Returns DraftStep for the T rows."""
+             segments: list[Segment]) -> DraftStep:
+        """One head step over T rows of several requests: tokens [T], hidden [T, H],
+        positions [T]; `segments` cover the rows in order, one per request, each with its
+        past KV and mask. Linear layers run once over all rows; attention per segment."""
         layer = self.layer
         embeds = layer.input_layernorm(self.model.embed_input_ids(tokens))
         normed, residual = layer._residual_norm(hidden_states=hidden)
@@ -68,7 +78,9 @@ class DenseEagle3Head:
         q, k = layer.self_attn.rotary_emb(positions, q, k)
         key = k.reshape(-1, self.num_kv_heads, self.head_dim)
         value = v.reshape(-1, self.num_kv_heads, self.head_dim)
-        attn = self._attend(q, torch.cat([past_key, key]), torch.cat([past_value, value]), mask)
+        attn = torch.cat([self._attend(q[seg.rows], torch.cat([seg.past_key, key[seg.rows]]),
+                                       torch.cat([seg.past_value, value[seg.rows]]), seg.mask)
+                          for seg in segments])
         out, _ = layer.self_attn.o_proj(attn)
         out, residual = layer.post_attention_layernorm(out, residual)
         out = layer.mlp(out)

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specplug.vllm_eagle3.dense_head import DenseEagle3Head
+from specplug.vllm_eagle3.dense_head import DenseEagle3Head, Segment
 from specplug.vllm_eagle3.sampler import SpecplugChainSampler
 from specplug.vllm_eagle3.settings import (
     AdapterSettings,
@@ -115,8 +115,7 @@ def make_proposer_class(eagle_proposer_cls):
             rejected = [0] * batch if num_rejected is None else num_rejected[:batch].tolist()
             discarded = self.runner.discard_request_mask.cpu[:batch].tolist()
             hidden = self._dense_head.combine(aux_hidden[: starts[-1]])  # [tokens, H]
-            chains = torch.zeros(batch, depth, dtype=next_token_ids.dtype)
-            rows, roots = [], []
+            rows, requests = [], []
             for b, req_id in enumerate(req_ids):
                 start, end = starts[b], starts[b + 1] - rejected[b]
                 if end <= start:
@@ -124,34 +123,48 @@ def make_proposer_class(eagle_proposer_cls):
                 next_token = int(next_token_ids[b])
                 if discarded[b]:  # partial prefill: vLLM's next token is a placeholder
                     next_token = self.runner.requests[req_id].get_token_id(int(positions[end - 1]) + 1)
-                root = self._catch_up(req_id, token_ids[start:end], positions[start:end],
-                                      hidden[start:end], next_token)
-                if not discarded[b]:  # partial prefills: vLLM discards their drafts
-                    rows.append(b)
-                    roots.append(root)
-            if roots and depth > 0:
+                rows.append(b)
+                requests.append((req_id, token_ids[start:end], positions[start:end], hidden[start:end], next_token))
+            roots = self._catch_up(requests) if requests else []
+            keep = [i for i, b in enumerate(rows) if not discarded[b]]  # vLLM drops partial prefills' drafts
+            chains = torch.zeros(batch, depth, dtype=next_token_ids.dtype)
+            if keep and depth > 0:
                 topk = self.specplug.tree.topk
                 budget = full_budget(depth, topk, roots[0].logprobs.shape[-1])
-                trees = draft_trees(self._dense_head, roots, depth, topk, budget)
-                chains[rows] = best_chains(trees, depth).to(chains.dtype)
+                trees = draft_trees(self._dense_head, [roots[i] for i in keep], depth, topk, budget)
+                chains[[rows[i] for i in keep]] = best_chains(trees, depth).to(chains.dtype)
             return chains.to(next_token_ids.device)
 
-        def _catch_up(self, req_id, tokens, positions, hidden, next_token):
-            """Run the head over this step's committed inputs (rolling back what vLLM
-            rejected) and return the request's tree Root."""
-            cache = self._caches.get(req_id)
-            if cache is None:
+        def _catch_up(self, requests):
+            """requests: (req_id, tokens [n], positions [n], hidden [n, H], next_token) each.
+            Rolls each request's head cache back to its first new position (undoing what
+            vLLM rejected), runs ONE head step over all newly committed rows (input i pairs
+            token i+1 with hidden i), appends the new KV, and returns a Root per request."""
+            segments, offset = [], 0
+            for req_id, tokens, positions, _, _ in requests:
+                cache = self._cache(req_id)
+                cache.truncate(min(int(positions[0]), cache.length))
+                n, past = tokens.shape[0], cache.length
+                mask = torch.ones(n, past + n, dtype=torch.bool).tril(diagonal=past)
+                segments.append(Segment(slice(offset, offset + n), cache.key, cache.value, mask))
+                offset += n
+            shifted = torch.cat([torch.cat([t[1:], t.new_tensor([nxt])]) for _, t, _, _, nxt in requests])
+            step = self._dense_head.step(shifted, torch.cat([r[3] for r in requests]),
+                                         torch.cat([r[2] for r in requests]), segments)
+            roots = []
+            for (req_id, _, positions, _, next_token), seg in zip(requests, segments):
+                cache = self._caches[req_id]
+                cache.append(step.key[seg.rows], step.value[seg.rows])
+                last = seg.rows.stop - 1
+                roots.append(Root(next_token, step.logprobs[last], step.hidden[last], int(positions[-1]),
+                                  cache.key, cache.value))
+            return roots
+
+        def _cache(self, req_id) -> _DraftCache:
+            if req_id not in self._caches:
                 empty = self._dense_head.empty_kv()
-                cache = self._caches[req_id] = _DraftCache(empty, empty)
-            first = int(positions[0])
-            cache.truncate(min(first, cache.length))  # roll back rejected or recomputed positions
-            shifted = torch.cat([tokens[1:], tokens.new_tensor([next_token])])  # x_{i+1} for h_i
-            length, past = shifted.shape[0], cache.length
-            mask = torch.ones(length, past + length, dtype=torch.bool).tril(diagonal=past)
-            step = self._dense_head.step(shifted, hidden, positions, cache.key, cache.value, mask)
-            cache.append(step.key, step.value)
-            return Root(next_token, step.logprobs[-1], step.hidden[-1], int(positions[-1]),
-                        cache.key, cache.value)
+                self._caches[req_id] = _DraftCache(empty, empty)
+            return self._caches[req_id]
 
         def _forget_finished(self):
             live = self.runner.requests

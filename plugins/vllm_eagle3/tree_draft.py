@@ -9,6 +9,7 @@ from typing import NamedTuple
 import torch
 
 from specplug.common.tree import Frontier, TreeBatch, dynamic, tree_depths
+from specplug.vllm_eagle3.dense_head import Segment
 
 
 class Root(NamedTuple):
@@ -43,19 +44,24 @@ class _Expander:
         self.hidden = [r.hidden[None] for r in roots]  # [F_prev, H] the previous call's outputs
 
     def __call__(self, front: Frontier) -> torch.Tensor:
-        logprobs = []
+        batch, width = front.tokens.shape  # [B, F]
+        segments = []
         for b, root in enumerate(self.roots):
             tree_key, tree_value = self.tree_kv[b]
             context = root.key.shape[0] - 1  # committed entries before the root's
-            mask = torch.cat([front.expanded_mask[b].new_ones(front.tokens.shape[1], context),
+            mask = torch.cat([front.expanded_mask[b].new_ones(width, context),
                               front.expanded_mask[b]], dim=1)  # [F, S + E - 1]
-            step = self.head.step(front.tokens[b], self.hidden[b][front.parent_slot[b]],
-                                  root.position + front.positions[b],
-                                  torch.cat([root.key, tree_key]), torch.cat([root.value, tree_value]), mask)
-            self.tree_kv[b] = (torch.cat([tree_key, step.key]), torch.cat([tree_value, step.value]))
-            self.hidden[b] = step.hidden
-            logprobs.append(step.logprobs)
-        return torch.stack(logprobs)  # [B, F, draft_vocab]
+            segments.append(Segment(slice(b * width, (b + 1) * width), torch.cat([root.key, tree_key]),
+                                    torch.cat([root.value, tree_value]), mask))
+        parent_hidden = torch.cat([self.hidden[b][front.parent_slot[b]] for b in range(batch)])  # [B*F, H]
+        positions = (torch.tensor([r.position for r in self.roots])[:, None] + front.positions).flatten()
+        step = self.head.step(front.tokens.flatten(), parent_hidden, positions, segments)
+        for b in range(batch):
+            rows = slice(b * width, (b + 1) * width)
+            tree_key, tree_value = self.tree_kv[b]
+            self.tree_kv[b] = (torch.cat([tree_key, step.key[rows]]), torch.cat([tree_value, step.value[rows]]))
+            self.hidden[b] = step.hidden[rows]
+        return step.logprobs.view(batch, width, -1)  # [B, F, draft_vocab]
 
 
 def full_budget(depth: int, topk: int, draft_vocab: int) -> int:
