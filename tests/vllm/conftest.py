@@ -72,10 +72,9 @@ def _start(target: str, head: str | None, num_spec_tokens: int, overrides: tuple
     if head is not None:
         spec = {"per_request_spec_decode_metrics": "summary", "speculative_config": {
             "method": "eagle3", "model": head, "num_speculative_tokens": num_spec_tokens}}
-    return LLM(
-        model=target, dtype="float32", seed=0, max_model_len=512, enforce_eager=True,
-        distributed_executor_backend="uni", disable_log_stats=False, **spec, **dict(overrides),
-    )
+    args = dict(model=target, dtype="float32", seed=0, max_model_len=512, enforce_eager=True,
+                distributed_executor_backend="uni", disable_log_stats=False, **spec)
+    return LLM(**{**args, **dict(overrides)})
 
 
 @pytest.fixture(scope="session")
