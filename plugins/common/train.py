@@ -50,6 +50,8 @@ class TrainConfig:
     reuse: optimizer steps per target pass (>1 trades data diversity for speed where the
     frozen target's forward dominates, e.g. a busy CPU); steps count optimizer steps.
     heldout_samples: conversations kept out of training (Medusa's rank accuracies).
+    eval_prompts / eval_tokens: the final greedy tau check in the reference loop on that
+    many held-out MT-bench prompts (0 = skip).
     """
 
     method: str
@@ -69,6 +71,8 @@ class TrainConfig:
     checkpoint_every: int = 100
     reuse: int = 1
     heldout_samples: int = 32
+    eval_prompts: int = 4
+    eval_tokens: int = 64
     ttt_steps: int = 3
     step_decay: float = 0.8
     draft_vocab_size: int = 8192
@@ -347,7 +351,7 @@ def _write_training_record(out: Path, cfg: TrainConfig, state: dict) -> None:
     record = {"config": _config_dict(cfg), "steps": state["step"], "minutes": round(state["seconds"] / 60, 2),
               "first_loss": losses[0] if losses else None, "last_loss": losses[-1] if losses else None,
               "accuracy_top1_by_position": state.get("accuracy", []),
-              "head_accuracies": state.get("head_accuracies")}
+              "head_accuracies": state.get("head_accuracies"), "eval": state.get("eval")}
     (out / "training.json").write_text(json.dumps(record, indent=2) + "\n")
 
 
@@ -360,6 +364,7 @@ class TrainResult:
     last_loss: float
     accuracy: list[float]  # per step position (EAGLE-3) or head (Medusa), top-1, last window
     files: list[str]
+    eval: dict | None = None  # train_eval.evaluate's report (greedy, MT-bench), when run
 
 
 def train(cfg: TrainConfig) -> TrainResult:
@@ -388,10 +393,24 @@ def train(cfg: TrainConfig) -> TrainResult:
     state = _loop(cfg, method, head, target, tokenizer, samples, optimizer, state, out)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     files = method.save_output(head, out, cfg, state, OutputContext(target, heldout, pad_id))
+    state["eval"] = final_eval(out, target, tokenizer, cfg)
     _write_training_record(out, cfg, state)
     losses = state["losses"]
     return TrainResult(str(out), state["step"], state["seconds"], losses[0] if losses else float("nan"),
-                       losses[-1] if losses else float("nan"), state.get("accuracy", []), files)
+                       losses[-1] if losses else float("nan"), state.get("accuracy", []), files, state["eval"])
+
+
+def final_eval(out: Path, target, tokenizer, cfg: TrainConfig) -> dict | None:
+    """Greedy tau of the written head on cfg.eval_prompts MT-bench prompts (None if 0)."""
+    if cfg.eval_prompts < 1:
+        return None
+    from specplug.common.train_eval import EvalConfig, evaluate, load_drafter
+
+    eval_cfg = EvalConfig("mtbench", cfg.eval_prompts, cfg.eval_tokens)
+    report = evaluate(target, tokenizer, load_drafter(out, target), eval_cfg)
+    logger.info("reference loop, %d MT-bench prompts x %d tokens, greedy: tau %.2f, acceptance by position %s",
+                cfg.eval_prompts, cfg.eval_tokens, report["tau"], report["acceptance_per_position"])
+    return report
 
 
 def _loop(cfg, method, head, target, tokenizer, samples, optimizer, state, out) -> dict:
@@ -507,7 +526,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-samples", type=int, default=None, help="use at most this many conversations")
     for name, kind in (("max_length", int), ("batch_size", int), ("lr", float), ("warmup_steps", int),
                        ("seed", int), ("checkpoint_every", int), ("reuse", int), ("heldout_samples", int),
-                       ("ttt_steps", int), ("step_decay", float),
+                       ("ttt_steps", int), ("step_decay", float), ("eval_prompts", int), ("eval_tokens", int),
                        ("draft_vocab_size", int), ("num_layers", int), ("topk", int)):
         parser.add_argument("--" + name.replace("_", "-"), type=kind, default=d[name], help=_HELP.get(name, name))
     parser.add_argument("--heads", type=int, default=d["num_heads"], help="Medusa heads")
@@ -527,7 +546,9 @@ _HELP = {
     "draft_vocab_size": "EAGLE-3 draft vocabulary size", "num_layers": "Medusa residual blocks per head",
     "topk": "Medusa: ranks whose accuracy is recorded",
     "reuse": "optimizer steps per target pass",
-    "heldout_samples": "conversations kept out of training (Medusa rank accuracies)", "checkpoint_every": "steps between checkpoints",
+    "heldout_samples": "conversations kept out of training (Medusa rank accuracies)",
+    "eval_prompts": "final greedy tau check: MT-bench prompts in the reference loop (0 = skip)",
+    "eval_tokens": "final tau check: new tokens per prompt", "checkpoint_every": "steps between checkpoints",
 }
 
 
@@ -538,7 +559,8 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         minutes=args.minutes, max_samples=args.max_samples, max_length=args.max_length,
         batch_size=args.batch_size, lr=args.lr, warmup_steps=args.warmup_steps, seed=args.seed,
         checkpoint_every=args.checkpoint_every, reuse=args.reuse, heldout_samples=args.heldout_samples,
-        ttt_steps=args.ttt_steps, step_decay=args.step_decay,
+        ttt_steps=args.ttt_steps, step_decay=args.step_decay, eval_prompts=args.eval_prompts,
+        eval_tokens=args.eval_tokens,
         draft_vocab_size=args.draft_vocab_size, aux_layer_ids=aux, num_heads=args.heads,
         num_layers=args.num_layers, topk=args.topk, format=args.format, save_dtype=args.save_dtype,
         resume=args.resume, overwrite=args.overwrite, device=args.device)
@@ -557,4 +579,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"wrote {result.out} after {result.steps} steps ({result.seconds / 60:.1f} min): "
               f"loss {result.first_loss:.3f} -> {result.last_loss:.3f}, "
               f"top-1 accuracy by position {result.accuracy}")
+        if result.eval:
+            print(f"reference loop on {result.eval['eval']['prompts']} MT-bench prompts (greedy): "
+                  f"tau {result.eval['tau']}, acceptance by position {result.eval['acceptance_per_position']}")
     return 0

@@ -42,7 +42,7 @@ def counting_data(tmp_path_factory):
 def _config(method, target, out, data, **kw):
     base = dict(method=method, target=str(target), out=str(out), data=str(data), steps=24, batch_size=4,
                 max_length=48, lr=3e-3, warmup_steps=3, heldout_samples=4, draft_vocab_size=128,
-                checkpoint_every=10, topk=4, aux_layer_ids=(1, 2, 3))
+                checkpoint_every=10, topk=4, aux_layer_ids=(1, 2, 3), eval_prompts=0)
     base.update(kw)
     return T.TrainConfig(**base)
 
@@ -53,7 +53,8 @@ def trained(tiny_llama_path, counting_data, tmp_path_factory):
     out = {}
     for method in ("eagle3", "medusa"):
         folder = tmp_path_factory.mktemp(method)
-        out[method] = (T.train(_config(method, tiny_llama_path, folder, counting_data)), folder)
+        cfg = _config(method, tiny_llama_path, folder, counting_data, eval_prompts=1, eval_tokens=6)
+        out[method] = (T.train(cfg), folder)
     return out
 
 
@@ -69,6 +70,8 @@ def test_eagle3_loss_falls_and_head_loads_back(trained, tiny_llama_path):
     ok, ends = _falls(state["losses"], 0.7)
     assert ok, f"EAGLE-3 loss did not fall by 30% in 24 steps: {ends}"
     assert result.files == ["config.json", "model.safetensors"]
+    assert result.eval["steps"] >= 1 and result.eval["tau"] >= 1.0  # the final reference-loop check ran
+    assert json.loads((folder / "training.json").read_text())["eval"]["tau"] == result.eval["tau"]
     head = formats.load_head_module(folder, str(tiny_llama_path))
     assert isinstance(head, Eagle3Head)
     assert head.fc.weight.dtype == torch.bfloat16
