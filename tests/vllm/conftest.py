@@ -17,8 +17,6 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
-vllm = pytest.importorskip("vllm", reason="needs the vLLM environment (scripts/test.sh vllm)")
-
 from tests.vllm.tiny_heads import (  # noqa: E402
     agreeing_head_dir,
     constant_target_dir,

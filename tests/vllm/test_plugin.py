@@ -7,6 +7,8 @@ from importlib.metadata import entry_points
 
 import pytest
 
+pytest.importorskip("vllm", reason="needs the vLLM environment: bash scripts/test.sh vllm")
+
 from specplug.common.tree import TreeConfig
 from specplug.vllm_eagle3 import check_vllm_version
 from specplug.vllm_eagle3.metrics import SpecDecodeStats, spec_decode_stats, stats_from_outputs

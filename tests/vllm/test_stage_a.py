@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import pytest
 
+pytest.importorskip("vllm", reason="needs the vLLM environment: bash scripts/test.sh vllm")
+
 from specplug.vllm_eagle3.metrics import stats_from_outputs
 from tests.vllm.conftest import NUM_SPEC_TOKENS, PROMPTS, drafter_of
 from tests.vllm.tiny_heads import AGREE_TOKEN, CONSTANT_TARGET_LOGITS

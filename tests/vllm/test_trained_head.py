@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import pytest
 
+pytest.importorskip("vllm", reason="needs the vLLM environment: bash scripts/test.sh vllm")
+
 from specplug.vllm_eagle3.demo import find_head
 from specplug.vllm_eagle3.metrics import stats_from_outputs
 from tests.vllm.conftest import drafter_of
