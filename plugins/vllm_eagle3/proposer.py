@@ -71,7 +71,7 @@ def make_proposer_class(eagle_proposer_cls):
             self._caches: dict[str, _DraftCache] = {}
             logger.info(
                 "specplug EAGLE-3 proposer active for head %s: dynamic tree topk=%d depth=%d, "
-                "stage %s (vLLM verifies the best path)", self.draft_model_config.model,
+                "stage %s (the tree's best path is verified as a chain)", self.draft_model_config.model,
                 self.specplug.tree.topk, self.num_speculative_tokens, self.specplug.stage,
             )
 
