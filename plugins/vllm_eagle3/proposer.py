@@ -3,13 +3,14 @@
 `SpecplugEagleProposer` replaces vLLM's `EagleProposer` class (see `register()`). With a
 head whose config.json has no `specplug` section every method is vLLM's own. With a
 specplug head, `propose` drafts an EAGLE-2 dynamic tree per request from the target's
-aux hidden states and hands vLLM the tree's best root-to-leaf path as its chain
-(stage A), which specplug's chain sampler (sampler.py, in place of the runner's
-rejection sampler) verifies losslessly.
+aux hidden states and hands vLLM one root path of it as its chain (stage A: the path
+with the largest expected accepted length), which specplug's chain sampler (sampler.py,
+in place of the runner's rejection sampler) verifies losslessly.
 
 Per-request draft state is a dense key/value cache of the head (positions 0..P-1 of the
 committed sequence), kept here keyed by request id and truncated to the first position
-vLLM sends in a step, so rejected tokens and preemption roll back naturally.
+vLLM sends in a step, so rejected tokens and preemption roll back naturally. (Appending
+copies the cache: fine for the short contexts tested here, quadratic in long ones.)
 """
 
 from __future__ import annotations
