@@ -722,6 +722,21 @@ def _norm_before_residual(config: dict) -> bool:
     return bool(config.get("norm_before_residual", eagle.get("norm_before_residual", False)))
 
 
+def _vllm_loadable_vocab_maps(config: dict, state: dict, report: SaveReport) -> dict:
+    """Drop identity d2t/t2d when the draft vocabulary IS the target's: vLLM builds no
+    draft_id_to_target_id parameter for such heads and refuses a checkpoint carrying one."""
+    d2t = state.get("d2t")
+    if d2t is None or config.get("draft_vocab_size", config.get("vocab_size")) != config.get("vocab_size"):
+        return state
+    if bool((d2t == 0).all()):
+        report.notes.append("d2t/t2d not written: the draft vocabulary is the target's (identity map), "
+                            "and vLLM refuses these tensors for such heads")
+        return {k: v for k, v in state.items() if k not in ("d2t", "t2d")}
+    report.notes.append("d2t is not the identity although draft_vocab_size == vocab_size: vLLM will refuse "
+                        "this head (it has no draft_id_to_target_id parameter for a full draft vocabulary)")
+    return state
+
+
 def _to_eagle3(head: LoadedHead, report: SaveReport, target: Any) -> tuple[dict, dict]:
     config = copy.deepcopy(head.config)
     if _norm_before_residual(config):
@@ -731,7 +746,7 @@ def _to_eagle3(head: LoadedHead, report: SaveReport, target: Any) -> tuple[dict,
     if head.extra.get("format") == "speculators":
         report.dropped += _dropped_source_keys(head, _SPECULATORS_IDENTITY | {
             "speculators_version", "transformers_version", "auto_map", "has_no_defaults_at_init"})
-    return config, dict(head.state_dict)
+    return config, _vllm_loadable_vocab_maps(config, dict(head.state_dict), report)
 
 
 def _speculative_tokens(config: dict) -> int | None:
@@ -779,7 +794,7 @@ def _to_speculators(head: LoadedHead, report: SaveReport, target: Any) -> tuple[
         out["specplug"] = copy.deepcopy(canonical["specplug"])
     report.dropped += _eagle_config_dropped(canonical)
     state = {("layers.0." + k[len("midlayer."):] if k.startswith("midlayer.") else k): v
-             for k, v in head.state_dict.items()}
+             for k, v in _vllm_loadable_vocab_maps(canonical, head.state_dict, report).items()}
     return out, state
 
 

@@ -185,7 +185,8 @@ class VerifyResult(NamedTuple):
         (the chain-shaped layout vLLM's sampler output uses)."""
         nodes = self.accepted_nodes[:, 1:]  # [B, D]
         toks = torch.where(nodes >= 0, candidates.gather(1, nodes.clamp(min=0)), -1)
-        out = torch.cat([toks, torch.full_like(toks[:, :1], -1)], 1)
+        pad = torch.full((toks.shape[0], 1), -1, dtype=toks.dtype, device=toks.device)
+        out = torch.cat([toks, pad], 1)  # [B, D+1]; D may be 0 (no request had drafts)
         return out.scatter_(1, self.num_accepted.unsqueeze(1), self.bonus_token.unsqueeze(1))
 
 

@@ -61,6 +61,7 @@ class VllmRunner:
     def __init__(self, model: str, head: str | None, *, max_new_tokens: int,
                  temperature: float, seed: int, max_batch: int):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB; vLLM-CPU needs it set
         import vllm
         from transformers import AutoTokenizer
 

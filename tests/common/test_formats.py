@@ -300,6 +300,20 @@ def test_save_head_takes_config_and_state_pair(tmp_path):
     assert tensor_bytes(files_tensors(tmp_path / "e")) == tensor_bytes(eagle3_state())
 
 
+@pytest.mark.parametrize("fmt", ["eagle3", "speculators"])
+def test_full_draft_vocab_writes_no_identity_vocab_maps(tmp_path, fmt):
+    """vLLM refuses d2t/t2d for a head whose draft vocabulary is the target's."""
+    state = eagle3_state()
+    state["lm_head.weight"] = torch.randn(VOCAB, H)
+    state["d2t"] = torch.zeros(VOCAB, dtype=torch.long)
+    state["t2d"] = torch.ones(VOCAB, dtype=torch.bool)
+    report = save_head((eagle3_config(draft_vocab_size=VOCAB), state), tmp_path / "e", fmt)
+    written = files_tensors(tmp_path / "e")
+    assert "d2t" not in written and "t2d" not in written
+    assert any("identity" in note for note in report.notes)
+    assert load_head(tmp_path / "e", TARGET).state_dict["lm_head.weight"].shape == (VOCAB, H)
+
+
 def test_save_head_refuses_other_method_nonempty_destination_and_source(tmp_path):
     head = load_head(write_eagle3(tmp_path / "e"))
     with pytest.raises(ValueError, match="holds medusa heads"):

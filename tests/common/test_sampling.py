@@ -298,3 +298,13 @@ def test_validate_false_skips_only_the_value_checks():
     S.verify(**kw, validate=False)
     with pytest.raises(ValueError, match="not a tree"):
         S.verify(**dict(kw, parents=torch.tensor([[-1, 2, 0]])), validate=False)
+
+
+def test_output_tokens_when_no_request_has_drafts():
+    """A batch of root-only trees (D = 0) emits just the bonus token per request."""
+    cands = torch.tensor([[7], [8]])
+    parents = torch.full((2, 1), -1)
+    p = torch.zeros(2, 1, 5)
+    p[0, 0, 3] = p[1, 0, 1] = 1.0
+    res = S.verify(cands, parents, p, method="greedy")
+    assert res.output_tokens(cands).tolist() == [[3], [1]]

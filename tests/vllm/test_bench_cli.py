@@ -11,6 +11,7 @@ import sys
 
 import pytest
 
+pytest.importorskip("vllm", reason="needs the vLLM environment: scripts/test.sh vllm")
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 
