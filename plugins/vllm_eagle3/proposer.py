@@ -16,10 +16,12 @@ copies the cache: fine for the short contexts tested here, quadratic in long one
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 import torch
 
+from specplug.vllm_eagle3.adaptive import AdaptiveController
 from specplug.vllm_eagle3.dense_head import DenseEagle3Head, Segment
 from specplug.vllm_eagle3.sampler import SpecplugChainSampler
 from specplug.vllm_eagle3.settings import (
@@ -70,6 +72,12 @@ def make_proposer_class(eagle_proposer_cls):
             self.specplug = adapter_settings(section)
             self._dense_head: DenseEagle3Head | None = None
             self._caches: dict[str, _DraftCache] = {}
+            self.adaptive: AdaptiveController | None = None
+            if self.specplug.adaptive:
+                self.adaptive = AdaptiveController(self.num_speculative_tokens)
+                logger.info("specplug adaptive speculation on: each step drafts 0..%d tokens, chosen by "
+                            "specplug.common.cost from step costs and acceptance measured in this engine",
+                            self.num_speculative_tokens)
             logger.info(
                 "specplug EAGLE-3 proposer active for head %s: dynamic tree topk=%d depth=%d, "
                 "stage %s (the tree's best path is verified as a chain)", self.draft_model_config.model,
@@ -80,7 +88,8 @@ def make_proposer_class(eagle_proposer_cls):
             super().load_model(target_model)
             if self.specplug is not None and self.runner is not None:
                 # the runner builds its rejection sampler after the drafter: swap it here
-                self.runner.rejection_sampler = SpecplugChainSampler(self.runner.rejection_sampler)
+                on_verify = None if self.adaptive is None else self.adaptive.record_verify
+                self.runner.rejection_sampler = SpecplugChainSampler(self.runner.rejection_sampler, on_verify)
                 logger.info("specplug: runner.rejection_sampler replaced by SpecplugChainSampler "
                             "(specplug.common.sampling.verify)")
 
@@ -98,17 +107,26 @@ def make_proposer_class(eagle_proposer_cls):
             self._last_draft_probs = None  # deterministic drafting: vLLM's target-only rule
             if self._dense_head is None:
                 self._dense_head = DenseEagle3Head(self.model)
-            with torch.inference_mode():
-                return self._propose_chains(
-                    num_speculative_tokens, target_token_ids, target_positions,
-                    target_hidden_states, next_token_ids, common_attn_metadata,
-                    num_rejected_tokens_gpu,
-                )
+            if self.adaptive is not None:
+                self.adaptive.step_started(int(common_attn_metadata.query_start_loc_cpu[
+                    common_attn_metadata.num_reqs]))
+            try:
+                with torch.inference_mode():
+                    return self._propose_chains(
+                        num_speculative_tokens, target_token_ids, target_positions,
+                        target_hidden_states, next_token_ids, common_attn_metadata,
+                        num_rejected_tokens_gpu,
+                    )
+            finally:
+                if self.adaptive is not None:
+                    self.adaptive.step_finished()
 
         # -- specplug path ------------------------------------------------------------
         def _propose_chains(self, depth, token_ids, positions, aux_hidden, next_token_ids,
                             attn_metadata, num_rejected):
-            """Returns the best tree path per request, [batch, depth] (int)."""
+            """Returns the best tree path per request, [batch, depth] (int); in adaptive mode
+            [batch, chosen depth], 0 columns = no speculation for this step (vLLM's scheduler
+            takes each request's list of drafts as is and verifies exactly that many)."""
             batch = attn_metadata.num_reqs
             req_ids = self.runner.input_batch.req_ids[:batch]
             self._forget_finished()
@@ -128,12 +146,17 @@ def make_proposer_class(eagle_proposer_cls):
                 requests.append((req_id, token_ids[start:end], positions[start:end], hidden[start:end], next_token))
             roots = self._catch_up(requests) if requests else []
             keep = [i for i, b in enumerate(rows) if not discarded[b]]  # vLLM drops partial prefills' drafts
+            if self.adaptive is not None and keep:
+                depth = self.adaptive.choose_depth(len(keep))
             chains = torch.zeros(batch, depth, dtype=next_token_ids.dtype)
             if keep and depth > 0:
+                started = time.perf_counter()
                 topk = self.specplug.tree.topk
                 budget = full_budget(depth, topk, roots[0].logprobs.shape[-1])
                 trees = draft_trees(self._dense_head, [roots[i] for i in keep], depth, topk, budget)
                 chains[[rows[i] for i in keep]] = best_chains(trees, depth).to(chains.dtype)
+                if self.adaptive is not None:
+                    self.adaptive.draft_timed(len(keep), depth, time.perf_counter() - started)
             return chains.to(next_token_ids.device)
 
         def _catch_up(self, requests):

@@ -67,8 +67,9 @@ class SpecplugChainSampler:
     """Callable like vLLM's RejectionSampler: (metadata, draft_probs, logits,
     sampling_metadata) -> SamplerOutput with sampled_token_ids [B, max_spec_len + 1]."""
 
-    def __init__(self, vllm_sampler):
+    def __init__(self, vllm_sampler, on_verify=None):
         self.vllm_sampler = vllm_sampler
+        self.on_verify = on_verify  # (num_draft_tokens [B], num_accepted [B]) after each verify
         self._fallback_reasons: set[str] = set()
 
     def __getattr__(self, name):  # the runner also reads helpers off its sampler
@@ -89,6 +90,8 @@ class SpecplugChainSampler:
             result = verify(candidates, parents, self._target_probs(logits, num_nodes, sampling_metadata),
                             method="rejection", num_nodes=num_nodes,
                             generators=[sampling_metadata.generators.get(i) for i in range(len(num_nodes))])
+        if self.on_verify is not None:
+            self.on_verify(list(metadata.num_draft_tokens), result.num_accepted)
         if candidates.shape[1] == 1:  # no request has drafts this step (output_tokens needs D >= 1)
             tokens = result.bonus_token[:, None].to(torch.int32)
         else:

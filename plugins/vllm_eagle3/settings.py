@@ -4,7 +4,9 @@ checks the head against the target it is asked to draft for.
 A head is "ours" when its config.json has a `specplug` section with method "eagle3";
 without it vLLM's built-in EAGLE-3 path runs untouched. Tree settings come from the
 section's `tree` dict; the environment variable SPECPLUG_TREE (a JSON object, e.g.
-'{"topk": 2}') overrides single keys without editing the checkpoint.
+'{"topk": 2}') overrides single keys without editing the checkpoint. Adaptive
+speculation (adaptive.py) is off unless the section says `"adaptive": true`; the
+environment variable SPECPLUG_ADAPTIVE ("1"/"true" or "0"/"false") overrides it.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from typing import Any, Mapping
 from specplug.common.tree import TreeConfig
 
 ENV_TREE_OVERRIDE = "SPECPLUG_TREE"
+ENV_ADAPTIVE_OVERRIDE = "SPECPLUG_ADAPTIVE"
+_BOOLS = {"1": True, "true": True, "yes": True, "0": False, "false": False, "no": False}
 STAGES = ("chain",)
 
 
@@ -30,11 +34,14 @@ class AdapterSettings:
     verification: "lossless" only (vLLM never runs lossy typical acceptance here).
     stage: "chain" = stage A: the tree's best root-to-leaf path is verified as vLLM's
       chain, by specplug's sampler (specplug.common.sampling.verify).
+    adaptive: per engine step, draft 0..num_speculative_tokens tokens as chosen by
+      specplug.common.cost from costs and acceptance measured in the engine (adaptive.py).
     """
 
     tree: TreeConfig = TreeConfig()
     verification: str = "lossless"
     stage: str = "chain"
+    adaptive: bool = False
 
     def __post_init__(self):
         if self.verification != "lossless":
@@ -76,7 +83,22 @@ def adapter_settings(section: Mapping[str, Any], environ: Mapping[str, str] = os
         tree=TreeConfig.from_dict(tree),
         verification=section.get("verification", "lossless"),
         stage=section.get("stage", "chain"),
+        adaptive=_adaptive_flag(section, environ),
     )
+
+
+def _adaptive_flag(section: Mapping[str, Any], environ: Mapping[str, str]) -> bool:
+    """The section's "adaptive" (default False), overridden by SPECPLUG_ADAPTIVE."""
+    value = section.get("adaptive", False)
+    if not isinstance(value, bool):
+        raise TypeError(f"specplug \"adaptive\" in config.json must be true or false, got {value!r}")
+    override = environ.get(ENV_ADAPTIVE_OVERRIDE)
+    if override is None or override == "":
+        return value
+    if override.lower() not in _BOOLS:
+        raise ValueError(f"{ENV_ADAPTIVE_OVERRIDE} must be 1/true/yes or 0/false/no, got {override!r}: "
+                         f"set it to 1 to turn adaptive speculation on, 0 to turn it off")
+    return _BOOLS[override.lower()]
 
 
 def check_head_matches_target(head_dir: str, target_config: Any) -> None:

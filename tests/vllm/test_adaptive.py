@@ -1,0 +1,151 @@
+"""Adaptive speculation in vLLM: per step the proposer drafts 0..num_speculative_tokens
+tokens as specplug.common.cost chooses; output stays exactly the target's (greedy)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("vllm", reason="needs the vLLM environment: bash scripts/test.sh vllm")
+
+from specplug.common.cost import AcceptanceTracker, AdaptiveConfig, Curve, StepCosts
+from specplug.vllm_eagle3.adaptive import AdaptiveController
+from specplug.vllm_eagle3.settings import adapter_settings
+from tests.vllm.conftest import NUM_SPEC_TOKENS, PROMPTS, SPECPLUG_TREE, drafter_of
+from tests.vllm.tiny_heads import tiny_head_dir
+
+pytestmark = pytest.mark.vllm
+
+# verify cost flat in tokens, free drafts (with a fixed acceptance of 0.9 at every depth):
+# every extra draft adds expected tokens for free -> the deepest chain
+FULL_DEPTH = StepCosts(verify=Curve([(1, 1.0), (10_000, 1.0)]), draft=Curve([(1, 0.0), (10_000, 0.0)]))
+# verify cost linear in tokens, drafting dear: speculation never pays -> no drafts
+NO_SPECULATION = StepCosts(verify=Curve([(1, 1.0), (2, 2.0)]), draft=Curve([(1, 10.0), (2, 20.0)]))
+
+
+@pytest.fixture(scope="session")
+def adaptive_head(target):
+    return tiny_head_dir(target, specplug={**SPECPLUG_TREE, "adaptive": True})
+
+
+def greedy(max_tokens=24):
+    from vllm import SamplingParams
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+
+def token_ids(llm, prompts):
+    return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, greedy(), use_tqdm=False)]
+
+
+def controller(llm) -> AdaptiveController:
+    adaptive = drafter_of(llm).adaptive
+    assert adaptive is not None, "the head's specplug section says adaptive: true"
+    return adaptive
+
+
+def fixed_acceptance(adaptive, alpha):
+    """A tracker whose prior (alpha at every depth) outweighs any measurement."""
+    return AcceptanceTracker(AdaptiveConfig(options=adaptive.options, prior_alpha=alpha, prior_weight=1e12))
+
+
+def depths_chosen(llm, prompts, costs=None, alpha=None):
+    """(output token ids, {depth: steps}) of one greedy run, with `costs` (and a fixed
+    acceptance `alpha`) injected."""
+    adaptive = controller(llm)
+    tracker = adaptive.tracker
+    adaptive.costs_override = costs
+    if alpha is not None:
+        adaptive.tracker = fixed_acceptance(adaptive, alpha)
+    before = dict(adaptive.depth_counts)
+    try:
+        out = token_ids(llm, prompts)
+    finally:
+        adaptive.costs_override, adaptive.tracker = None, tracker
+    counts = {d: n - before.get(d, 0) for d, n in adaptive.depth_counts.items() if n - before.get(d, 0)}
+    return out, counts
+
+
+def test_adaptive_flag_from_section_and_env():
+    assert not adapter_settings(SPECPLUG_TREE, environ={}).adaptive
+    assert adapter_settings({**SPECPLUG_TREE, "adaptive": True}, environ={}).adaptive
+    assert adapter_settings(SPECPLUG_TREE, environ={"SPECPLUG_ADAPTIVE": "1"}).adaptive
+    assert not adapter_settings({**SPECPLUG_TREE, "adaptive": True}, environ={"SPECPLUG_ADAPTIVE": "0"}).adaptive
+    with pytest.raises(ValueError, match="SPECPLUG_ADAPTIVE"):
+        adapter_settings(SPECPLUG_TREE, environ={"SPECPLUG_ADAPTIVE": "maybe"})
+
+
+def test_adaptive_is_off_by_default(engine, target, specplug_head):
+    assert drafter_of(engine(target, specplug_head)).adaptive is None
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+def test_adaptive_greedy_matches_no_speculation(engine, target, adaptive_head, batch):
+    """Measured costs, whatever they choose: output identical to the target alone."""
+    prompts = PROMPTS[:batch] if batch > 1 else [PROMPTS[2]]
+    llm = engine(target, adaptive_head)
+    spec, counts = depths_chosen(llm, prompts)
+    assert sum(counts.values()) > 0
+    assert spec == token_ids(engine(target), prompts)
+
+
+def test_forced_no_speculation_drafts_nothing_and_stays_exact(engine, target, adaptive_head):
+    prompts = PROMPTS[:4]
+    spec, counts = depths_chosen(engine(target, adaptive_head), prompts, NO_SPECULATION)
+    assert set(counts) == {0}
+    assert spec == token_ids(engine(target), prompts)
+
+
+def test_forced_largest_option_drafts_full_depth(engine, target, adaptive_head):
+    prompts = PROMPTS[:4]
+    llm = engine(target, adaptive_head)
+    drafter = drafter_of(llm)
+    widths, propose = [], drafter.propose
+
+    def recording(*args, **kwargs):
+        out = propose(*args, **kwargs)
+        widths.append(out.shape[1])
+        return out
+
+    drafter.propose = recording
+    try:
+        spec, counts = depths_chosen(llm, prompts, FULL_DEPTH, alpha=0.9)
+    finally:
+        del drafter.propose
+    assert set(counts) == {NUM_SPEC_TOKENS}
+    assert set(widths) == {NUM_SPEC_TOKENS}
+    assert spec == token_ids(engine(target), prompts)
+
+
+def test_verify_results_feed_the_acceptance_tracker():
+    """Depth d of a chain counts as tried when all shallower drafts were accepted."""
+    adaptive = AdaptiveController(3)
+    adaptive.record_verify([3, 3, 0], torch.tensor([3, 0, 0]))  # the 0-draft request is ignored
+    option = adaptive.options[2]
+    tried, accepted = adaptive.tracker._tried[option], adaptive.tracker._accepted[option]
+    assert tried.tolist() == [2.0, 1.0, 1.0]
+    assert accepted.tolist() == [1.0, 1.0, 1.0]
+
+
+def test_controller_explores_until_measured_then_uses_the_model():
+    """With nothing measured it explores (deepest first); once every step size has
+    min_samples timings, non-exploring steps follow cost.choose."""
+    adaptive = AdaptiveController(2)
+    assert adaptive.choose_depth(1) == 2
+    for tokens in (1, 2, 3):  # batch 1 at depths 0, 1, 2
+        for _ in range(2):
+            adaptive._verify.add(tokens, float(tokens))  # linear verify cost
+    adaptive._draft.add(1, 10.0)
+    assert adaptive.choose_depth(1) == 0  # linear verify, dear drafts: no speculation
+
+
+def test_bench_adaptive_head_copy_says_adaptive(specplug_head):
+    """`specplug bench --adaptive` runs the specplug method on such a copy."""
+    import json
+    from pathlib import Path
+
+    from specplug.vllm_eagle3.bench_runner import adaptive_head
+
+    copy = Path(adaptive_head(str(specplug_head)))
+    section = json.loads((copy / "config.json").read_text())["specplug"]
+    assert section == {**SPECPLUG_TREE, "adaptive": True}
+    assert adapter_settings(section, environ={}).adaptive
