@@ -89,6 +89,9 @@ class SglangRunner:
 
     def run(self, method: str, prompts, batch_size: int) -> RunResult:
         engine = self._engine_for(method)
+        # Every run starts cold: no radix-cache prefix hits and no NGRAM corpus left from the
+        # previous batch size's run over the same prompts (it would inflate tau).
+        engine.flush_cache()
         params = {"max_new_tokens": self.max_new_tokens, "ignore_eos": True, "temperature": self.temperature}
         outs, start = [], time.perf_counter()
         for i in range(0, len(prompts), batch_size):
