@@ -14,9 +14,11 @@ head_dim defaults to 32: vLLM's CPU attention supports head sizes 32, 64, 80, 96
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
 import os
 import random
+import shutil
 from pathlib import Path
 
 _WORDS = (
@@ -99,23 +101,29 @@ def build_tiny_llama(
     return out
 
 
-def tiny_llama_dir(**kwargs) -> Path:
-    """Cached build_tiny_llama: the same kwargs return the same folder, built once."""
-    import inspect
+def cached_dir(kind: str, spec: dict, write) -> Path:
+    """$SPECPLUG_CACHE/tiny/KIND-HASH(spec), made once by write(tmp_folder) and renamed
+    into place whole, so concurrent test processes never see a half-written folder."""
+    key = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:12]
+    cache = Path(os.environ.get("SPECPLUG_CACHE", Path.home() / ".cache" / "specplug")) / "tiny"
+    out = cache / f"{kind}-{key}"
+    if (out / ".complete").exists():
+        return out
+    tmp = cache / f".tmp-{kind}-{key}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    write(tmp)
+    (tmp / ".complete").touch()
+    try:
+        tmp.rename(out)
+    except OSError:  # another process finished first
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
 
+
+def tiny_llama_dir(**kwargs) -> Path:
+    """Cached build_tiny_llama: the same settings return the same folder, built once."""
     params = inspect.signature(build_tiny_llama).bind("", **kwargs)
     params.apply_defaults()
     settings = {k: v for k, v in params.arguments.items() if k != "out_dir"}
-    key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:12]
-    cache = Path(os.environ.get("SPECPLUG_CACHE", Path.home() / ".cache" / "specplug")) / "tiny"
-    out = cache / f"llama-{key}"
-    if not (out / ".complete").exists():
-        tmp = cache / f".tmp-{key}-{os.getpid()}"
-        build_tiny_llama(tmp, **kwargs)
-        (tmp / ".complete").touch()
-        try:
-            tmp.rename(out)
-        except OSError:  # another process finished first
-            import shutil
-            shutil.rmtree(tmp, ignore_errors=True)
-    return out
+    return cached_dir("llama", settings, lambda tmp: build_tiny_llama(tmp, **kwargs))
