@@ -10,7 +10,6 @@ SGLang's per-request meta_info (specplug.sglang_medusa.metrics).
 from __future__ import annotations
 
 import time
-from pathlib import Path
 
 from specplug.bench import RunResult
 from specplug.sglang_medusa.metrics import acceptance_from_meta_info
@@ -29,9 +28,14 @@ def make_runner(args):
 
 
 def default_head() -> str | None:
-    """The committed test-bed Medusa heads, if this checkout has them."""
-    root = Path(__file__).resolve().parents[2] / "heads" / "smollm2-medusa"
-    return str(root) if (root / "config.json").exists() else None
+    """The committed test-bed head (smollm2-medusa) as a loadable folder, if this checkout has one
+    (a compact Medusa head is materialised into the test-bed cache by testbed.head_dir)."""
+    from specplug.common import testbed
+
+    try:
+        return str(testbed.head_dir("smollm2-medusa"))
+    except ValueError:
+        return None
 
 
 def engine_args(model: str, seed: int, max_batch: int) -> dict:
