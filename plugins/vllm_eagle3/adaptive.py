@@ -92,10 +92,6 @@ class AdaptiveController:
     def step_finished(self) -> None:
         self._left_at = time.perf_counter()
 
-    def idle(self) -> None:
-        """The engine may sit idle before the next step: don't time that gap."""
-        self._left_at = None
-
     def draft_timed(self, batch: int, depth: int, seconds: float) -> None:
         if depth > 0:
             self._draft.add(batch, seconds / depth)

@@ -34,6 +34,8 @@ from specplug.vllm_eagle3.tree_draft import Root, best_chains, draft_trees, full
 
 logger = logging.getLogger(__name__)
 
+MAX_PENDING_ROWS = 64  # adaptive mode: a request's deferred head rows are caught up at this many
+
 
 @dataclass
 class _DraftCache:
@@ -73,6 +75,9 @@ def make_proposer_class(eagle_proposer_cls):
             self._dense_head: DenseEagle3Head | None = None
             self._caches: dict[str, _DraftCache] = {}
             self.adaptive: AdaptiveController | None = None
+            # adaptive mode: rows committed in steps without drafts, caught up lazily;
+            # req_id -> (shifted [n], positions [n], hidden [n, H])
+            self._pending: dict[str, tuple] = {}
             if self.specplug.adaptive:
                 self.adaptive = AdaptiveController(self.num_speculative_tokens)
                 logger.info("specplug adaptive speculation on: each step drafts 0..%d tokens, chosen by "
@@ -142,12 +147,17 @@ def make_proposer_class(eagle_proposer_cls):
                 next_token = int(next_token_ids[b])
                 if discarded[b]:  # partial prefill: vLLM's next token is a placeholder
                     next_token = self.runner.requests[req_id].get_token_id(int(positions[end - 1]) + 1)
+                shifted = torch.cat([token_ids[start + 1:end], token_ids.new_tensor([next_token])])
                 rows.append(b)
-                requests.append((req_id, token_ids[start:end], positions[start:end], hidden[start:end], next_token))
-            roots = self._catch_up(requests) if requests else []
+                requests.append((req_id, shifted, positions[start:end].clone(), hidden[start:end]))
             keep = [i for i, b in enumerate(rows) if not discarded[b]]  # vLLM drops partial prefills' drafts
-            if self.adaptive is not None and keep:
-                depth = self.adaptive.choose_depth(len(keep))
+            if self.adaptive is not None:
+                depth = self.adaptive.choose_depth(len(keep)) if keep else 0
+                if depth == 0:  # no drafts this step: the head catches up later, in one go
+                    self._defer(requests)
+                    return torch.zeros(batch, 0, dtype=next_token_ids.dtype, device=next_token_ids.device)
+                requests = [self._with_pending(r) for r in requests]
+            roots = self._catch_up(requests) if requests else []
             chains = torch.zeros(batch, depth, dtype=next_token_ids.dtype)
             if keep and depth > 0:
                 started = time.perf_counter()
@@ -159,28 +169,52 @@ def make_proposer_class(eagle_proposer_cls):
                     self.adaptive.draft_timed(len(keep), depth, time.perf_counter() - started)
             return chains.to(next_token_ids.device)
 
+        def _with_pending(self, request):
+            """request with the rows deferred for it prepended (rows at or past its first
+            position, i.e. rolled back by vLLM, dropped)."""
+            req_id, shifted, positions, hidden = request
+            pending = self._pending.pop(req_id, None)
+            if pending is None:
+                return request
+            old = pending[1] < positions[0]  # [pending rows]
+            return (req_id, torch.cat([pending[0][old], shifted]), torch.cat([pending[1][old], positions]),
+                    torch.cat([pending[2][old], hidden]))
+
+        def _defer(self, requests):
+            """Adaptive steps without drafts keep the committed rows for the next catch-up;
+            a request whose backlog reaches MAX_PENDING_ROWS is caught up now."""
+            due = []
+            for request in requests:
+                merged = self._with_pending(request)
+                if merged[1].shape[0] >= MAX_PENDING_ROWS:
+                    due.append(merged)
+                else:
+                    self._pending[merged[0]] = merged[1:]
+            if due:
+                self._catch_up(due)
+
         def _catch_up(self, requests):
-            """requests: (req_id, tokens [n], positions [n], hidden [n, H], next_token) each.
-            Rolls each request's head cache back to its first new position (undoing what
-            vLLM rejected), runs ONE head step over all newly committed rows (input i pairs
-            token i+1 with hidden i), appends the new KV, and returns a Root per request."""
+            """requests: (req_id, shifted [n], positions [n], hidden [n, H]) each, where
+            shifted[i] is the committed token after position i (the last one is vLLM's next
+            token). Rolls each request's head cache back to its first new position (undoing
+            what vLLM rejected), runs ONE head step over all newly committed rows (input i
+            pairs shifted[i] with hidden i), appends the new KV, and returns a Root per request."""
             segments, offset = [], 0
-            for req_id, tokens, positions, _, _ in requests:
+            for req_id, tokens, positions, _ in requests:
                 cache = self._cache(req_id)
                 cache.truncate(min(int(positions[0]), cache.length))
                 n, past = tokens.shape[0], cache.length
                 mask = torch.ones(n, past + n, dtype=torch.bool).tril(diagonal=past)
                 segments.append(Segment(slice(offset, offset + n), cache.key, cache.value, mask))
                 offset += n
-            shifted = torch.cat([torch.cat([t[1:], t.new_tensor([nxt])]) for _, t, _, _, nxt in requests])
-            step = self._dense_head.step(shifted, torch.cat([r[3] for r in requests]),
+            step = self._dense_head.step(torch.cat([r[1] for r in requests]), torch.cat([r[3] for r in requests]),
                                          torch.cat([r[2] for r in requests]), segments)
             roots = []
-            for (req_id, _, positions, _, next_token), seg in zip(requests, segments):
+            for (req_id, shifted, positions, _), seg in zip(requests, segments):
                 cache = self._caches[req_id]
                 cache.append(step.key[seg.rows], step.value[seg.rows])
                 last = seg.rows.stop - 1
-                roots.append(Root(next_token, step.logprobs[last], step.hidden[last], int(positions[-1]),
+                roots.append(Root(int(shifted[-1]), step.logprobs[last], step.hidden[last], int(positions[-1]),
                                   cache.key, cache.value))
             return roots
 
@@ -194,5 +228,7 @@ def make_proposer_class(eagle_proposer_cls):
             live = self.runner.requests
             for req_id in [r for r in self._caches if r not in live]:
                 del self._caches[req_id]
+            for req_id in [r for r in self._pending if r not in live]:
+                del self._pending[req_id]
 
     return SpecplugEagleProposer

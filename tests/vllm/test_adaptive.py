@@ -11,7 +11,7 @@ pytest.importorskip("vllm", reason="needs the vLLM environment: bash scripts/tes
 from specplug.common.cost import AcceptanceTracker, AdaptiveConfig, Curve, StepCosts
 from specplug.vllm_eagle3.adaptive import AdaptiveController
 from specplug.vllm_eagle3.settings import adapter_settings
-from tests.vllm.conftest import NUM_SPEC_TOKENS, PROMPTS, SPECPLUG_TREE, drafter_of
+from tests.vllm.conftest import NUM_SPEC_TOKENS, PROMPTS, SPECPLUG_CHAIN, SPECPLUG_TREE, drafter_of
 from tests.vllm.tiny_heads import tiny_head_dir
 
 pytestmark = pytest.mark.vllm
@@ -149,3 +149,45 @@ def test_bench_adaptive_head_copy_says_adaptive(specplug_head):
     section = json.loads((copy / "config.json").read_text())["specplug"]
     assert section == {**SPECPLUG_TREE, "adaptive": True}
     assert adapter_settings(section, environ={}).adaptive
+
+
+def _roots_by_position(llm, prompt, monkeypatch):
+    """{root position: (root token, draft log-probs of the first draft)} of every drafting
+    step of a greedy batch-1 run (read where the proposer hands roots to draft_trees)."""
+    from specplug.vllm_eagle3 import proposer
+
+    seen, draft_trees = {}, proposer.draft_trees
+
+    def recording(head, roots, *args, **kwargs):
+        for root in roots:
+            seen[root.position] = (root.token, root.logprobs.clone())
+        return draft_trees(head, roots, *args, **kwargs)
+
+    monkeypatch.setattr(proposer, "draft_trees", recording)
+    try:
+        out = token_ids(llm, [prompt])
+    finally:
+        monkeypatch.setattr(proposer, "draft_trees", draft_trees)
+    return out, seen
+
+
+def test_deferred_catch_up_keeps_the_head_in_sync(engine, target, chain_head, monkeypatch):
+    """Steps without drafts defer the head's catch-up (flushed at MAX_PENDING_ROWS, here
+    4); a later drafting step must see exactly the head state of a run that caught up
+    every step: same root token and first-draft log-probs at every shared position."""
+    from specplug.vllm_eagle3 import proposer
+
+    adaptive_chain = tiny_head_dir(target, specplug={**SPECPLUG_CHAIN, "adaptive": True})
+    llm = engine(target, adaptive_chain)
+    adaptive = controller(llm)
+    pattern = iter([0, 0, 3, 0, 3, 0, 0, 0, 0, 0, 0, 3] * 8)
+    monkeypatch.setattr(adaptive, "choose_depth", lambda batch: next(pattern))
+    monkeypatch.setattr(proposer, "MAX_PENDING_ROWS", 4)
+    ours, ours_roots = _roots_by_position(llm, PROMPTS[2], monkeypatch)
+    reference, reference_roots = _roots_by_position(engine(target, chain_head), PROMPTS[2], monkeypatch)
+    assert ours == reference
+    shared = sorted(set(ours_roots) & set(reference_roots))
+    assert len(shared) >= 3
+    for position in shared:
+        assert ours_roots[position][0] == reference_roots[position][0]
+        torch.testing.assert_close(ours_roots[position][1], reference_roots[position][1], rtol=1e-4, atol=1e-4)
