@@ -133,23 +133,10 @@ def make_proposer_class(eagle_proposer_cls):
             [batch, chosen depth], 0 columns = no speculation for this step (vLLM's scheduler
             takes each request's list of drafts as is and verifies exactly that many)."""
             batch = attn_metadata.num_reqs
-            req_ids = self.runner.input_batch.req_ids[:batch]
             self._forget_finished()
-            starts = attn_metadata.query_start_loc_cpu[: batch + 1].tolist()
-            rejected = [0] * batch if num_rejected is None else num_rejected[:batch].tolist()
             discarded = self.runner.discard_request_mask.cpu[:batch].tolist()
-            hidden = self._dense_head.combine(aux_hidden[: starts[-1]])  # [tokens, H]
-            rows, requests = [], []
-            for b, req_id in enumerate(req_ids):
-                start, end = starts[b], starts[b + 1] - rejected[b]
-                if end <= start:
-                    continue
-                next_token = int(next_token_ids[b])
-                if discarded[b]:  # partial prefill: vLLM's next token is a placeholder
-                    next_token = self.runner.requests[req_id].get_token_id(int(positions[end - 1]) + 1)
-                shifted = torch.cat([token_ids[start + 1:end], token_ids.new_tensor([next_token])])
-                rows.append(b)
-                requests.append((req_id, shifted, positions[start:end].clone(), hidden[start:end]))
+            rows, requests = self._committed_rows(token_ids, positions, aux_hidden, next_token_ids,
+                                                  attn_metadata, num_rejected, discarded)
             keep = [i for i, b in enumerate(rows) if not discarded[b]]  # vLLM drops partial prefills' drafts
             if self.adaptive is not None:
                 depth = self.adaptive.choose_depth(len(keep)) if keep else 0
@@ -168,6 +155,28 @@ def make_proposer_class(eagle_proposer_cls):
                 if self.adaptive is not None:
                     self.adaptive.draft_timed(len(keep), depth, time.perf_counter() - started)
             return chains.to(next_token_ids.device)
+
+        def _committed_rows(self, token_ids, positions, aux_hidden, next_token_ids, attn_metadata,
+                            num_rejected, discarded):
+            """(batch rows with new tokens, their (req_id, shifted [n], positions [n],
+            hidden [n, H])): what vLLM committed this step, rejected drafts cut off."""
+            batch = attn_metadata.num_reqs
+            req_ids = self.runner.input_batch.req_ids[:batch]
+            starts = attn_metadata.query_start_loc_cpu[: batch + 1].tolist()
+            rejected = [0] * batch if num_rejected is None else num_rejected[:batch].tolist()
+            hidden = self._dense_head.combine(aux_hidden[: starts[-1]])  # [tokens, H]
+            rows, requests = [], []
+            for b, req_id in enumerate(req_ids):
+                start, end = starts[b], starts[b + 1] - rejected[b]
+                if end <= start:
+                    continue
+                next_token = int(next_token_ids[b])
+                if discarded[b]:  # partial prefill: vLLM's next token is a placeholder
+                    next_token = self.runner.requests[req_id].get_token_id(int(positions[end - 1]) + 1)
+                shifted = torch.cat([token_ids[start + 1:end], token_ids.new_tensor([next_token])])
+                rows.append(b)
+                requests.append((req_id, shifted, positions[start:end].clone(), hidden[start:end]))
+            return rows, requests
 
         def _with_pending(self, request):
             """request with the rows deferred for it prepended (rows at or past its first
