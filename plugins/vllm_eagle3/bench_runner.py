@@ -37,9 +37,13 @@ def make_runner(args):
 
 
 def default_head() -> str | None:
-    """The committed test-bed EAGLE-3 head, if this checkout has one."""
-    root = Path(__file__).resolve().parents[2] / "heads" / "smollm2-eagle3"
-    return str(root) if (root / "config.json").exists() else None
+    """The committed test-bed EAGLE-3 head (heads/smollm2-eagle3), if this checkout has one."""
+    from specplug.common import testbed
+
+    try:
+        return str(testbed.head_dir("smollm2-eagle3"))
+    except ValueError:
+        return None
 
 
 def strip_specplug_section(head: str) -> str:
