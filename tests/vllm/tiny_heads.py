@@ -6,16 +6,14 @@ Everything is seeded and cached under $SPECPLUG_CACHE/tiny, next to the tiny tar
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
 import shutil
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 
-from tests.support.tiny_llama import tiny_llama_dir
+from tests.support.tiny_llama import cached_dir, tiny_llama_dir
 
 TINY_AUX_LAYER_IDS = [1, 2, 3]  # the tiny target has 4 layers: (2, 2, 1) would collapse
 # vLLM's CPU attention supports head_dim >= 32: hidden 128 with 4 query / 2 KV heads.
@@ -25,27 +23,6 @@ TINY_TARGET = {"hidden_size": 128, "intermediate_size": 256, "num_heads": 4, "nu
 def tiny_target_dir() -> Path:
     """The tiny random Llama the vLLM tests serve (GQA 4/2, head_dim 32, 4 layers)."""
     return tiny_llama_dir(**TINY_TARGET)
-
-
-def _cache_dir(kind: str, spec: dict) -> Path:
-    key = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:12]
-    root = Path(os.environ.get("SPECPLUG_CACHE", Path.home() / ".cache" / "specplug")) / "tiny"
-    return root / f"{kind}-{key}"
-
-
-def _write_atomically(out: Path, write) -> Path:
-    if (out / ".complete").exists():
-        return out
-    tmp = out.with_name(f".tmp-{out.name}-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    write(tmp)
-    (tmp / ".complete").touch()
-    try:
-        tmp.rename(out)
-    except OSError:  # another process finished first
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out
 
 
 def head_config(target_dir: Path, *, draft_vocab_size: int | None = None,
@@ -131,7 +108,7 @@ def tiny_head_dir(target_dir: Path | None = None, *, specplug: dict | None = Non
         config.update(config_overrides)
         write_head(tmp, config, random_head_tensors(config, seed))
 
-    return _write_atomically(_cache_dir("eagle3", spec), write)
+    return cached_dir("eagle3", spec, write)
 
 
 AGREE_TOKEN = 100  # the constant target's most likely token, and the agreeing head's only draft
@@ -150,9 +127,9 @@ def constant_target_dir() -> Path:
     base = tiny_target_dir()
 
     def write(tmp: Path):
-        for name in os.listdir(base):
-            if name not in ("model.safetensors", ".complete"):
-                shutil.copy(base / name, tmp / name)
+        for f in base.iterdir():
+            if f.name not in ("model.safetensors", ".complete"):
+                shutil.copy(f, tmp / f.name)
         tensors = load_file(str(base / "model.safetensors"))
         for name in tensors:
             if name.endswith(("o_proj.weight", "down_proj.weight")):
@@ -167,7 +144,7 @@ def constant_target_dir() -> Path:
         save_file(tensors, str(tmp / "model.safetensors"))
 
     spec = {"base": str(base), "logits": CONSTANT_TARGET_LOGITS}
-    return _write_atomically(_cache_dir("llama-constant", spec), write)
+    return cached_dir("llama-constant", spec, write)
 
 
 def agreeing_head_dir(target_dir: Path, *, specplug: dict | None = None) -> Path:
@@ -182,4 +159,4 @@ def agreeing_head_dir(target_dir: Path, *, specplug: dict | None = None) -> Path
         tensors["t2d"][AGREE_TOKEN] = True
         write_head(tmp, config, tensors)
 
-    return _write_atomically(_cache_dir("eagle3-agree", spec), write)
+    return cached_dir("eagle3-agree", spec, write)
