@@ -237,11 +237,14 @@ def plot(report: dict, path: Path) -> None:
 
     rows = report["results"]
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for key in sorted({(r["engine"], r["method"]) for r in rows}):
+    keys = sorted({(r["engine"], r["method"]) for r in rows})
+    cycle = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    color = {key: cycle[i % len(cycle)] for i, key in enumerate(keys)}  # same colour in both panels
+    for key in keys:
         pts = sorted((r["batch_size"], r["speedup"]) for r in rows
                      if (r["engine"], r["method"]) == key and r["speedup"] is not None)
         if pts:
-            left.plot(*zip(*pts), marker="o", label=f"{key[0]} {key[1]}")
+            left.plot(*zip(*pts), marker="o", color=color[key], label=f"{key[0]} {key[1]}")
     left.axhline(1.0, color="grey", lw=0.8, ls="--")
     batches = sorted({r["batch_size"] for r in rows}) or [1]
     left.set_xscale("log", base=2)
@@ -253,7 +256,8 @@ def plot(report: dict, path: Path) -> None:
     for r in rows:
         if r["batch_size"] == smallest and r["acceptance_by_pos"]:
             acc = r["acceptance_by_pos"]
-            right.plot(range(1, len(acc) + 1), acc, marker="o", label=f"{r['engine']} {r['method']}")
+            right.plot(range(1, len(acc) + 1), acc, marker="o", color=color[(r["engine"], r["method"])],
+                       label=f"{r['engine']} {r['method']}")
     right.xaxis.get_major_locator().set_params(integer=True)
     right.set(xlabel="draft position", ylabel="fraction of steps accepted", ylim=(0, 1.05),
               title=f"Acceptance by position (batch {smallest})")
