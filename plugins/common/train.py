@@ -52,6 +52,9 @@ class TrainConfig:
     heldout_samples: conversations kept out of training (Medusa's rank accuracies).
     eval_prompts / eval_tokens: the final greedy tau check in the reference loop on that
     many held-out MT-bench prompts (0 = skip).
+    regenerate: before training, the frozen target writes its own reply to each used
+    conversation's first prompt (self-distillation); regen_temperature 0 = greedy.
+    Cached under $SPECPLUG_CACHE/regenerated (see `regenerate`).
     """
 
     method: str
@@ -85,6 +88,8 @@ class TrainConfig:
     resume: bool = False
     overwrite: bool = False
     device: str = "cpu"
+    regenerate: bool = False
+    regen_temperature: float = 0.0
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -95,6 +100,8 @@ class TrainConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_length < 8:
             raise ValueError(f"max_length must be >= 8 tokens, got {self.max_length}")
+        if self.regen_temperature < 0:
+            raise ValueError(f"regen_temperature must be >= 0 (0 = greedy), got {self.regen_temperature}")
         if self.steps is not None and self.steps < 1:
             raise ValueError(f"steps must be >= 1, got {self.steps}")
         if self.resume and self.overwrite:
@@ -220,14 +227,24 @@ def tokenize_conversation(tokenizer, messages: list[dict], max_length: int) -> S
     return Sample(list(enc["input_ids"]), mask)
 
 
-def build_samples(tokenizer, conversations: list[list[dict]], cfg: TrainConfig) -> tuple[list[Sample], list[Sample]]:
+def build_samples(tokenizer, conversations: list[list[dict]], cfg: TrainConfig,
+                  rewrite=None) -> tuple[list[Sample], list[Sample]]:
     """(train, held-out): shuffled (seeded) tokenized samples; held-out ones are taken from
-    the END of the shuffled order, training ones (at most cfg.max_samples) from its start."""
+    the END of the shuffled order, training ones (at most cfg.max_samples) from its start.
+
+    rewrite (e.g. `regenerate`'s): list of conversations -> list of the same length; when
+    given, exactly the first heldout_samples / max_samples conversations of each order are
+    rewritten (in one call) and then tokenized."""
     order = list(range(len(conversations)))
     random.Random(cfg.seed).shuffle(order)
-    heldout = _tokenize_some(tokenizer, conversations, order[::-1], cfg.heldout_samples, cfg.max_length)
     taken = len(conversations) - cfg.heldout_samples if len(conversations) > 2 * cfg.heldout_samples else None
-    samples = _tokenize_some(tokenizer, conversations, order[:taken], cfg.max_samples, cfg.max_length)
+    heldout_order, train_order = order[::-1], order[:taken]
+    if rewrite is not None:
+        heldout_order, train_order = heldout_order[: cfg.heldout_samples], train_order[: cfg.max_samples]
+        chosen = sorted(set(heldout_order) | set(train_order))
+        conversations = dict(zip(chosen, rewrite([conversations[i] for i in chosen])))
+    heldout = _tokenize_some(tokenizer, conversations, heldout_order, cfg.heldout_samples, cfg.max_length)
+    samples = _tokenize_some(tokenizer, conversations, train_order, cfg.max_samples, cfg.max_length)
     if not samples:
         raise ValueError("no usable training sample: every conversation lost its assistant tokens "
                          f"within --max-length {cfg.max_length}; raise it")
@@ -243,6 +260,88 @@ def _tokenize_some(tokenizer, conversations, order, limit, max_length) -> list[S
         if sample is not None:
             out.append(sample)
     return out
+
+
+# ---------------------------------------------------------------------------------------
+# --regenerate: the target writes the replies (self-distillation), cached on disk
+# ---------------------------------------------------------------------------------------
+def first_prompt(messages: list[dict]) -> list[dict]:
+    """The messages before the conversation's first assistant turn (system + first user turn)."""
+    for i, message in enumerate(messages):
+        if message["role"] == "assistant":
+            return messages[:i]
+    return list(messages)
+
+
+def regenerate_cache_path(cfg: TrainConfig) -> Path:
+    """$SPECPLUG_CACHE/regenerated/KEY.json, KEY hashing everything the replies depend on:
+    target, data set (for a file also its size and mtime), which conversations (max-samples,
+    held-out count, seed), max-length and the generation settings."""
+    import hashlib
+
+    from specplug.common.testbed import cache_root
+
+    data = cfg.data
+    if cfg.data != "sharegpt":  # a file: its path, size and modification time
+        stat = Path(cfg.data).stat()
+        data = [str(Path(cfg.data).resolve()), stat.st_size, stat.st_mtime_ns]
+    key = {"target": str(Path(cfg.target).resolve()), "data": data, "max_samples": cfg.max_samples,
+           "heldout_samples": cfg.heldout_samples, "seed": cfg.seed, "max_length": cfg.max_length,
+           "temperature": cfg.regen_temperature, "version": 1}
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    return cache_root() / "regenerated" / f"{digest}.json"
+
+
+def regenerate(target, tokenizer, conversations: list[list[dict]], cfg: TrainConfig) -> list[list[dict]]:
+    """Each conversation's first prompt + the frozen target's own reply to it (greedy when
+    cfg.regen_temperature is 0), replies up to max_length minus the prompt's tokens.
+
+    Batched (cfg.batch_size prompts, left-padded) with an explicit attention mask that is 1
+    on every prompt token: transformers would otherwise infer it from the pad id and mask
+    real end-of-turn tokens inside ChatML prompts when pad == eos. Cached at
+    `regenerate_cache_path(cfg)`: a second call (a rerun, --resume) reads the file and
+    generates nothing. Invariant: the result has one conversation per input, in order.
+    """
+    from tqdm.auto import tqdm
+
+    from specplug.common.data import format_chat
+
+    cache = regenerate_cache_path(cfg)
+    if cache.is_file():
+        logger.info("regenerated replies from %s", cache)
+        return json.loads(cache.read_text())
+    prompts = [first_prompt(c) for c in conversations]
+    torch.manual_seed(cfg.seed)  # sampled replies (regen_temperature > 0) are reproducible too
+    replies: list[str] = []
+    for start in tqdm(range(0, len(prompts), cfg.batch_size), desc="regenerate", unit="batch", dynamic_ncols=True):
+        texts = [format_chat(tokenizer, p, add_generation_prompt=True) for p in prompts[start:start + cfg.batch_size]]
+        replies += _generate_replies(target, tokenizer, texts, cfg)
+    regenerated = [p + [{"role": "assistant", "content": r}] for p, r in zip(prompts, replies)]
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    tmp = cache.with_suffix(".tmp")
+    tmp.write_text(json.dumps(regenerated))
+    tmp.rename(cache)  # atomic: a half-written cache is never read
+    logger.info("regenerated %d replies into %s", len(regenerated), cache)
+    return regenerated
+
+
+@torch.no_grad()
+def _generate_replies(target, tokenizer, texts: list[str], cfg: TrainConfig) -> list[str]:
+    """The target's replies to chat-templated prompt texts, decoded without special tokens."""
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    encoded = [tokenizer(t, add_special_tokens=False)["input_ids"][-(cfg.max_length - 1):] for t in texts]
+    width = max(len(e) for e in encoded)
+    ids = torch.full((len(encoded), width), pad_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)  # [B, width]: 1 on every prompt token, 0 on the left padding
+    for row, e in enumerate(encoded):
+        ids[row, width - len(e):] = torch.tensor(e)
+        mask[row, width - len(e):] = 1
+    sampling = {"do_sample": True, "temperature": cfg.regen_temperature} if cfg.regen_temperature > 0 \
+        else {"do_sample": False}
+    out = target.generate(input_ids=ids.to(cfg.device), attention_mask=mask.to(cfg.device),
+                          max_new_tokens=max(1, cfg.max_length - min(len(e) for e in encoded)),
+                          pad_token_id=pad_id, eos_token_id=tokenizer.eos_token_id, **sampling)
+    return [tokenizer.decode(row, skip_special_tokens=True).strip() for row in out[:, width:].tolist()]
 
 
 class Batch(NamedTuple):
@@ -376,7 +475,8 @@ def train(cfg: TrainConfig) -> TrainResult:
     method.preflight(cfg, target_config)
     convs = load_conversations(cfg.data)
     target, tokenizer = load_target(cfg.target, cfg.device)
-    samples, heldout = build_samples(tokenizer, convs, cfg)
+    rewrite = (lambda chosen: regenerate(target, tokenizer, chosen, cfg)) if cfg.regenerate else None
+    samples, heldout = build_samples(tokenizer, convs, cfg, rewrite)
     logger.info("%d training samples, %d assistant tokens", len(samples), sum(sum(s.loss_mask) for s in samples))
     if cfg.overwrite and (out / CHECKPOINT).is_dir():
         import shutil
@@ -535,6 +635,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="output format: eagle3 (default) or speculators; medusa (default) or vllm-medusa")
     parser.add_argument("--save-dtype", default=d["save_dtype"], choices=("bfloat16", "float16", "float32"))
     parser.add_argument("--device", default=d["device"], help="torch device (cpu, cuda)")
+    parser.add_argument("--regenerate", action="store_true",
+                        help="self-distillation: the target first writes its own replies to the training "
+                             "prompts (cached under $SPECPLUG_CACHE/regenerated) and the head trains on those")
+    parser.add_argument("--regen-temperature", type=float, default=d["regen_temperature"],
+                        help="--regenerate sampling temperature (0 = greedy)")
     parser.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint")
     parser.add_argument("--overwrite", action="store_true", help="replace a head or checkpoint in OUT")
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
@@ -563,7 +668,8 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         eval_tokens=args.eval_tokens,
         draft_vocab_size=args.draft_vocab_size, aux_layer_ids=aux, num_heads=args.heads,
         num_layers=args.num_layers, topk=args.topk, format=args.format, save_dtype=args.save_dtype,
-        resume=args.resume, overwrite=args.overwrite, device=args.device)
+        resume=args.resume, overwrite=args.overwrite, device=args.device, regenerate=args.regenerate,
+        regen_temperature=args.regen_temperature)
 
 
 def run(args: argparse.Namespace) -> int:

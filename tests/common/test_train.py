@@ -192,3 +192,72 @@ def test_eagle3_aux_layers_must_be_distinct_and_ascending(tiny_llama_path, count
         T.train(_config("eagle3", tiny_llama_path, tmp_path / "o", counting_data, aux_layer_ids=None))
     with pytest.raises(ValueError, match="3 distinct ascending ids"):
         T.train(_config("eagle3", tiny_llama_path, tmp_path / "o", counting_data, aux_layer_ids=(1, 2, 4)))
+
+
+# ---------------------------------------------------------------------------------------
+# --regenerate (self-distillation)
+# ---------------------------------------------------------------------------------------
+def _greedy_reply(target, tokenizer, prompt, max_length):
+    """Reference: a plain argmax loop on one unpadded prompt (no generate(), no batching)."""
+    from specplug.common.data import format_chat
+    ids = tokenizer(format_chat(tokenizer, prompt), add_special_tokens=False)["input_ids"]
+    new = []
+    with torch.no_grad():
+        for _ in range(max_length - len(ids)):
+            token = int(target(torch.tensor([ids + new])).logits[0, -1].argmax())
+            if token == tokenizer.eos_token_id:
+                break
+            new.append(token)
+    return tokenizer.decode(new, skip_special_tokens=True).strip(), len(ids)
+
+
+@pytest.mark.timeout(600)
+def test_regenerate_writes_the_targets_greedy_reply_and_caches_it(tiny_llama_path, tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECPLUG_CACHE", str(tmp_path / "cache"))
+    data = tmp_path / "d.jsonl"
+    data.write_text("")  # only its name, size and mtime enter the cache key here
+    target, tok = T.load_target(str(tiny_llama_path))
+    tok.pad_token = tok.eos_token  # pad == <|im_end|>, as in ChatML models: it must not mask the prompt's end tokens
+    convs = [[{"role": "system", "content": "be brief"}, {"role": "user", "content": "count from one two three"},
+              {"role": "assistant", "content": "data reply"}, {"role": "user", "content": "later turn"}],
+             [{"role": "user", "content": "seven"}, {"role": "assistant", "content": "other"}],
+             [{"role": "user", "content": "nine ten"}, {"role": "assistant", "content": "x"}]]
+    cfg = _config("medusa", tiny_llama_path, tmp_path / "o", data, batch_size=2, max_length=40, regenerate=True)
+    out = T.regenerate(target, tok, convs, cfg)  # batches of 2 prompts of different lengths: left padding
+    assert [c[:-1] for c in out] == [convs[0][:2], convs[1][:1], convs[2][:1]]  # first prompt kept, data reply gone
+    lengths = [_greedy_reply(target, tok, c[:-1], 40)[1] for c in out]
+    for i, conv in enumerate(out):
+        assert conv[-1]["role"] == "assistant"
+        expected, _ = _greedy_reply(target, tok, conv[:-1], 40 - max(lengths) + lengths[i])
+        # the batch generates max_length - (shortest prompt in its batch) tokens: at least the reference's
+        assert conv[-1]["content"].startswith(expected) and len(expected) > 0, (i, conv[-1]["content"], expected)
+    assert T.regenerate_cache_path(cfg).is_file()
+
+    def must_not_run(*a, **k):
+        raise AssertionError("regenerated although the cache holds the replies")
+    monkeypatch.setattr(T, "_generate_replies", must_not_run)
+    assert T.regenerate(target, tok, convs, cfg) == out  # second call: read from the cache
+    other = _config("medusa", tiny_llama_path, tmp_path / "o", data, batch_size=2, max_length=48, regenerate=True)
+    assert T.regenerate_cache_path(other) != T.regenerate_cache_path(cfg)  # max-length is part of the key
+
+
+@pytest.mark.timeout(600)
+def test_regenerate_training_run_writes_a_loadable_head(tiny_llama_path, counting_data, tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECPLUG_CACHE", str(tmp_path / "cache"))
+    import argparse
+    parser = argparse.ArgumentParser()
+    T.add_arguments(parser)
+    args = parser.parse_args(["medusa", "--target", str(tiny_llama_path), "--out", str(tmp_path / "m"),
+                              "--data", str(counting_data), "--regenerate"])
+    assert T.config_from_args(args).regenerate and T.config_from_args(args).regen_temperature == 0.0
+    for method in ("medusa", "eagle3"):
+        cfg = _config(method, tiny_llama_path, tmp_path / method, counting_data, steps=3, max_samples=6,
+                      regenerate=True)
+        result = T.train(cfg)
+        assert result.steps == 3
+        head = formats.load_head_module(tmp_path / method, str(tiny_llama_path))
+        assert isinstance(head, MedusaHeads if method == "medusa" else Eagle3Head)
+        assert json.loads((tmp_path / method / "training.json").read_text())["config"]["regenerate"] is True
+    cached = json.loads(T.regenerate_cache_path(cfg).read_text())  # both runs share one cache file
+    assert len(cached) == 6 + 4 and all(c[-1]["role"] == "assistant" for c in cached)
+    assert len(list((tmp_path / "cache" / "regenerated").glob("*.json"))) == 1
