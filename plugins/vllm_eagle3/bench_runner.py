@@ -17,10 +17,8 @@ import time
 from pathlib import Path
 
 from specplug.bench import RunResult
+from specplug.vllm_eagle3.metrics import spec_decode_stats
 
-SPEC_METRICS = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens",
-                "vllm:spec_decode_num_accepted_tokens")
-PER_POS_METRIC = "vllm:spec_decode_num_accepted_tokens_per_pos"
 NGRAM_CONFIG = {"method": "ngram", "num_speculative_tokens": 4,
                 "prompt_lookup_max": 4, "prompt_lookup_min": 2}
 
@@ -136,19 +134,18 @@ class VllmRunner:
         params = [SamplingParams(max_tokens=self.max_new_tokens, ignore_eos=True,
                                  temperature=self.temperature, seed=self.seed + i)
                   for i in range(len(prompts))]
-        before = spec_counters(llm)
+        before = spec_decode_stats(llm.get_metrics())
         outputs, start = [], time.perf_counter()
         for i in range(0, len(prompts), batch_size):
             outs = llm.generate(list(prompts[i:i + batch_size]), params[i:i + batch_size], use_tqdm=False)
             outputs += [list(o.outputs[0].token_ids) for o in outs]
         seconds = time.perf_counter() - start
-        after = spec_counters(llm)
-        delta = {k: after[k] - before[k] for k in SPEC_METRICS}
-        per_pos = [a - b for a, b in zip(after[PER_POS_METRIC], before[PER_POS_METRIC] + [0] * 64)]
+        run = spec_decode_stats(llm.get_metrics()) - before
         return RunResult(method=method, batch_size=batch_size, num_prompts=len(prompts),
                          output_tokens=sum(map(len, outputs)), seconds=seconds,
-                         num_drafts=delta[SPEC_METRICS[0]], num_draft_tokens=delta[SPEC_METRICS[1]],
-                         num_accepted=delta[SPEC_METRICS[2]], accepted_per_pos=per_pos, outputs=outputs)
+                         num_drafts=run.num_drafts, num_draft_tokens=run.num_draft_tokens,
+                         num_accepted=run.num_accepted_tokens,
+                         accepted_per_pos=list(run.accepted_per_position), outputs=outputs)
 
     def close(self) -> None:
         if self._llm is not None:
@@ -156,14 +153,3 @@ class VllmRunner:
             self._llm, self._method = None, None
             gc.collect()
 
-
-def spec_counters(llm) -> dict:
-    """Current values of vLLM's cumulative speculative-decoding counters."""
-    out = {k: 0 for k in SPEC_METRICS}
-    out[PER_POS_METRIC] = []
-    for metric in llm.get_metrics():
-        if metric.name in SPEC_METRICS:
-            out[metric.name] = int(metric.value)
-        elif metric.name == PER_POS_METRIC:
-            out[PER_POS_METRIC] = [int(v) for v in metric.values]
-    return out
