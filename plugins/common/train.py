@@ -53,7 +53,9 @@ class TrainConfig:
     eval_prompts / eval_tokens: the final greedy tau check in the reference loop on that
     many held-out MT-bench prompts (0 = skip).
     regenerate: before training, the frozen target writes its own reply to each used
-    conversation's first prompt (self-distillation); regen_temperature 0 = greedy.
+    conversation's first prompt (self-distillation); regen_temperature 0 = greedy;
+    regen_batch_size: prompts generated at once (default batch_size; generation holds no
+    gradients, so it can be several times larger).
     Cached under $SPECPLUG_CACHE/regenerated (see `regenerate`).
     """
 
@@ -90,12 +92,13 @@ class TrainConfig:
     device: str = "cpu"
     regenerate: bool = False
     regen_temperature: float = 0.0
+    regen_batch_size: int | None = None
 
     def __post_init__(self):
         if self.method not in METHODS:
             raise ValueError(f"method must be one of {METHODS}, got {self.method!r}")
         for name in ("max_length", "batch_size", "ttt_steps", "draft_vocab_size", "num_heads",
-                     "checkpoint_every", "topk", "reuse"):
+                     "checkpoint_every", "topk", "reuse", "regen_batch"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_length < 8:
@@ -107,6 +110,10 @@ class TrainConfig:
         if self.resume and self.overwrite:
             raise ValueError("--resume and --overwrite exclude each other: resume keeps the checkpoint, "
                              "overwrite deletes it")
+
+    @property
+    def regen_batch(self) -> int:
+        return self.regen_batch_size or self.batch_size
 
     @property
     def max_steps(self) -> int:
@@ -266,7 +273,12 @@ def _tokenize_some(tokenizer, conversations, order, limit, max_length) -> list[S
 # --regenerate: the target writes the replies (self-distillation), cached on disk
 # ---------------------------------------------------------------------------------------
 def first_prompt(messages: list[dict]) -> list[dict]:
-    """The messages before the conversation's first assistant turn (system + first user turn)."""
+    """The messages before the conversation's first assistant turn (system + first user turn).
+
+    Leading assistant turns are skipped first, as `tokenize_conversation` does; a
+    conversation with nothing else has an empty first prompt."""
+    while messages and messages[0]["role"] == "assistant":
+        messages = messages[1:]
     for i, message in enumerate(messages):
         if message["role"] == "assistant":
             return messages[:i]
@@ -287,7 +299,7 @@ def regenerate_cache_path(cfg: TrainConfig) -> Path:
         data = [str(Path(cfg.data).resolve()), stat.st_size, stat.st_mtime_ns]
     key = {"target": str(Path(cfg.target).resolve()), "data": data, "max_samples": cfg.max_samples,
            "heldout_samples": cfg.heldout_samples, "seed": cfg.seed, "max_length": cfg.max_length,
-           "temperature": cfg.regen_temperature, "version": 1}
+           "temperature": cfg.regen_temperature, "version": 2}
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     return cache_root() / "regenerated" / f"{digest}.json"
 
@@ -296,11 +308,13 @@ def regenerate(target, tokenizer, conversations: list[list[dict]], cfg: TrainCon
     """Each conversation's first prompt + the frozen target's own reply to it (greedy when
     cfg.regen_temperature is 0), replies up to max_length minus the prompt's tokens.
 
-    Batched (cfg.batch_size prompts, left-padded) with an explicit attention mask that is 1
+    Batched (cfg.regen_batch prompts, left-padded) with an explicit attention mask that is 1
     on every prompt token: transformers would otherwise infer it from the pad id and mask
     real end-of-turn tokens inside ChatML prompts when pad == eos. Cached at
     `regenerate_cache_path(cfg)`: a second call (a rerun, --resume) reads the file and
-    generates nothing. Invariant: the result has one conversation per input, in order.
+    generates nothing. Invariant: the result has one conversation per input, in order; one
+    without a prompt before its first reply, or whose prompt is over max_length/2 tokens,
+    comes back empty (tokenizing drops it). Prompts are generated shortest first.
     """
     from tqdm.auto import tqdm
 
@@ -311,12 +325,21 @@ def regenerate(target, tokenizer, conversations: list[list[dict]], cfg: TrainCon
         logger.info("regenerated replies from %s", cache)
         return json.loads(cache.read_text())
     prompts = [first_prompt(c) for c in conversations]
+    texts = {i: format_chat(tokenizer, p, add_generation_prompt=True) for i, p in enumerate(prompts) if p}
+    lengths = {i: len(tokenizer(t, add_special_tokens=False)["input_ids"]) for i, t in texts.items()}
+    # shortest first, so a batch's prompts (and its padding) are alike; a prompt over half
+    # of max_length would leave its reply cut to less than half the sample: dropped
+    answerable = sorted((i for i in texts if lengths[i] <= cfg.max_length // 2), key=lambda i: (lengths[i], i))
     torch.manual_seed(cfg.seed)  # sampled replies (regen_temperature > 0) are reproducible too
-    replies: list[str] = []
-    for start in tqdm(range(0, len(prompts), cfg.batch_size), desc="regenerate", unit="batch", dynamic_ncols=True):
-        texts = [format_chat(tokenizer, p, add_generation_prompt=True) for p in prompts[start:start + cfg.batch_size]]
-        replies += _generate_replies(target, tokenizer, texts, cfg)
-    regenerated = [p + [{"role": "assistant", "content": r}] for p, r in zip(prompts, replies)]
+    replies: dict[int, str] = {}
+    size = cfg.regen_batch
+    for start in tqdm(range(0, len(answerable), size), desc="regenerate", unit="batch", dynamic_ncols=True):
+        chunk = answerable[start:start + size]
+        replies.update(zip(chunk, _generate_replies(target, tokenizer, [texts[i] for i in chunk], cfg)))
+    logger.info("regenerate: %d of %d conversations answered (the rest have no prompt, or one over "
+                "max_length/2 = %d tokens)", len(replies), len(prompts), cfg.max_length // 2)
+    regenerated = [prompts[i] + [{"role": "assistant", "content": replies[i]}] if i in replies else []
+                   for i in range(len(prompts))]
     cache.parent.mkdir(parents=True, exist_ok=True)
     tmp = cache.with_suffix(".tmp")
     tmp.write_text(json.dumps(regenerated))
@@ -426,13 +449,19 @@ def method_module(method: str):
     return module
 
 
-def lr_at(step: int, cfg: TrainConfig) -> float:
-    """Linear warm-up, then cosine decay to 10% when the step count is known (else constant)."""
+def lr_at(step: int, cfg: TrainConfig, elapsed: float | None = None) -> float:
+    """Linear warm-up, then cosine decay to 10% over the budget: the step count when --steps
+    is given, else the wall clock of --minutes (`elapsed` seconds so far); constant when
+    neither is known."""
     if step < cfg.warmup_steps:
         return cfg.lr * (step + 1) / cfg.warmup_steps
-    if cfg.steps is None:
+    if cfg.steps is not None:
+        progress = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
+    elif cfg.minutes and elapsed is not None:
+        progress = elapsed / (60 * cfg.minutes)
+    else:
         return cfg.lr
-    progress = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps))
+    progress = min(1.0, progress)
     return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
@@ -529,7 +558,8 @@ def _loop(cfg, method, head, target, tokenizer, samples, optimizer, state, out) 
         batch = Batch(*(t.to(cfg.device) for t in cpu_batch))
         tgt = target_pass(target, batch, method.aux_ids(head, target))
         for _ in range(min(cfg.reuse - state["step"] % cfg.reuse, cfg.max_steps - state["step"])):
-            accuracy = _update(cfg, method, head, optimizer, tgt, batch, state)
+            elapsed = state["seconds"] + time.perf_counter() - start
+            accuracy = _update(cfg, method, head, optimizer, tgt, batch, state, elapsed)
             window = (window + [accuracy])[-20:]
             state["accuracy"] = [round(float(a), 4) for a in torch.stack(window).mean(0)]
             bar.update(1)
@@ -542,11 +572,12 @@ def _loop(cfg, method, head, target, tokenizer, samples, optimizer, state, out) 
     return state
 
 
-def _update(cfg, method, head, optimizer, tgt: TargetOutput, batch: Batch, state: dict) -> torch.Tensor:
+def _update(cfg, method, head, optimizer, tgt: TargetOutput, batch: Batch, state: dict,
+            elapsed: float) -> torch.Tensor:
     """One optimizer step on one target pass; returns the step's accuracy by position."""
     loss, accuracy = method.loss(head, tgt, batch, cfg)
     for group in optimizer.param_groups:
-        group["lr"] = lr_at(state["step"], cfg)
+        group["lr"] = lr_at(state["step"], cfg, elapsed)
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
     torch.nn.utils.clip_grad_norm_([p for p in head.parameters() if p.requires_grad], cfg.grad_clip)
@@ -640,6 +671,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "prompts (cached under $SPECPLUG_CACHE/regenerated) and the head trains on those")
     parser.add_argument("--regen-temperature", type=float, default=d["regen_temperature"],
                         help="--regenerate sampling temperature (0 = greedy)")
+    parser.add_argument("--regen-batch-size", type=int, default=None,
+                        help="--regenerate: prompts generated at once (default --batch-size)")
     parser.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint")
     parser.add_argument("--overwrite", action="store_true", help="replace a head or checkpoint in OUT")
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
@@ -669,7 +702,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         draft_vocab_size=args.draft_vocab_size, aux_layer_ids=aux, num_heads=args.heads,
         num_layers=args.num_layers, topk=args.topk, format=args.format, save_dtype=args.save_dtype,
         resume=args.resume, overwrite=args.overwrite, device=args.device, regenerate=args.regenerate,
-        regen_temperature=args.regen_temperature)
+        regen_temperature=args.regen_temperature, regen_batch_size=args.regen_batch_size)
 
 
 def run(args: argparse.Namespace) -> int:

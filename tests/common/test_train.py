@@ -222,13 +222,13 @@ def test_regenerate_writes_the_targets_greedy_reply_and_caches_it(tiny_llama_pat
               {"role": "assistant", "content": "data reply"}, {"role": "user", "content": "later turn"}],
              [{"role": "user", "content": "seven"}, {"role": "assistant", "content": "other"}],
              [{"role": "user", "content": "nine ten"}, {"role": "assistant", "content": "x"}]]
-    cfg = _config("medusa", tiny_llama_path, tmp_path / "o", data, batch_size=2, max_length=40, regenerate=True)
+    cfg = _config("medusa", tiny_llama_path, tmp_path / "o", data, batch_size=2, max_length=80, regenerate=True)
     out = T.regenerate(target, tok, convs, cfg)  # batches of 2 prompts of different lengths: left padding
     assert [c[:-1] for c in out] == [convs[0][:2], convs[1][:1], convs[2][:1]]  # first prompt kept, data reply gone
-    lengths = [_greedy_reply(target, tok, c[:-1], 40)[1] for c in out]
+    lengths = [_greedy_reply(target, tok, c[:-1], 80)[1] for c in out]
     for i, conv in enumerate(out):
         assert conv[-1]["role"] == "assistant"
-        expected, _ = _greedy_reply(target, tok, conv[:-1], 40 - max(lengths) + lengths[i])
+        expected, _ = _greedy_reply(target, tok, conv[:-1], 80 - max(lengths) + lengths[i])
         # the batch generates max_length - (shortest prompt in its batch) tokens: at least the reference's
         assert conv[-1]["content"].startswith(expected) and len(expected) > 0, (i, conv[-1]["content"], expected)
     assert T.regenerate_cache_path(cfg).is_file()
@@ -237,8 +237,32 @@ def test_regenerate_writes_the_targets_greedy_reply_and_caches_it(tiny_llama_pat
         raise AssertionError("regenerated although the cache holds the replies")
     monkeypatch.setattr(T, "_generate_replies", must_not_run)
     assert T.regenerate(target, tok, convs, cfg) == out  # second call: read from the cache
-    other = _config("medusa", tiny_llama_path, tmp_path / "o", data, batch_size=2, max_length=48, regenerate=True)
+    other = _config("medusa", tiny_llama_path, tmp_path / "o", data, batch_size=2, max_length=88, regenerate=True)
     assert T.regenerate_cache_path(other) != T.regenerate_cache_path(cfg)  # max-length is part of the key
+
+
+def test_regenerate_skips_leading_replies_and_drops_conversations_without_a_prompt(tiny_llama_path, tmp_path,
+                                                                                  monkeypatch):
+    """ShareGPT has conversations that open with a reply (or hold nothing else): the prompt
+    starts after the leading replies; one with no prompt at all, or a prompt too long to
+    leave room for a reply, comes back empty."""
+    monkeypatch.setenv("SPECPLUG_CACHE", str(tmp_path / "cache"))
+    data = tmp_path / "d.jsonl"
+    data.write_text("")
+    answered: list[str] = []
+    monkeypatch.setattr(T, "_generate_replies", lambda target, tok, texts, cfg: answered.extend(texts) or
+                        ["R"] * len(texts))
+    _, tok = T.load_target(str(tiny_llama_path))
+    convs = [[{"role": "assistant", "content": "hello"}, {"role": "user", "content": "hi"},
+              {"role": "assistant", "content": "data"}],
+             [{"role": "assistant", "content": "only a reply"}],
+             [{"role": "user", "content": "two"}, {"role": "assistant", "content": "data"}],
+             [{"role": "user", "content": "long " * 40}, {"role": "assistant", "content": "data"}]]
+    cfg = _config("medusa", tiny_llama_path, tmp_path / "o", data, batch_size=2, max_length=40, regenerate=True)
+    out = T.regenerate(None, tok, convs, cfg)  # the last prompt is over max_length / 2 tokens: dropped
+    assert out == [[{"role": "user", "content": "hi"}, {"role": "assistant", "content": "R"}], [],
+                   [{"role": "user", "content": "two"}, {"role": "assistant", "content": "R"}], []]
+    assert len(answered) == 2 and T.tokenize_conversation(tok, out[1], 40) is None
 
 
 @pytest.mark.timeout(600)
@@ -261,3 +285,15 @@ def test_regenerate_training_run_writes_a_loadable_head(tiny_llama_path, countin
     cached = json.loads(T.regenerate_cache_path(cfg).read_text())  # both runs share one cache file
     assert len(cached) == 6 + 4 and all(c[-1]["role"] == "assistant" for c in cached)
     assert len(list((tmp_path / "cache" / "regenerated").glob("*.json"))) == 1
+
+
+def test_learning_rate_decays_over_the_step_or_minute_budget(tmp_path):
+    """Warm-up, then cosine to 10% of the peak at the end of whichever budget is known."""
+    steps = T.TrainConfig("medusa", "t", str(tmp_path), steps=110, warmup_steps=10, lr=1.0)
+    assert T.lr_at(0, steps) == pytest.approx(0.1) and T.lr_at(10, steps) == pytest.approx(1.0)
+    assert T.lr_at(60, steps) == pytest.approx(0.55) and T.lr_at(110, steps) == pytest.approx(0.1)
+    minutes = T.TrainConfig("medusa", "t", str(tmp_path), minutes=10, warmup_steps=10, lr=1.0)
+    assert T.lr_at(50, minutes, elapsed=0.0) == pytest.approx(1.0)
+    assert T.lr_at(50, minutes, elapsed=300.0) == pytest.approx(0.55)
+    assert T.lr_at(50, minutes, elapsed=900.0) == pytest.approx(0.1)
+    assert T.lr_at(50, T.TrainConfig("medusa", "t", str(tmp_path), warmup_steps=10, lr=1.0)) == 1.0
