@@ -4,6 +4,8 @@
 `EagleProposer` with `SpecplugEagleProposer`, which behaves exactly like vLLM's for heads
 without a `specplug` section in config.json and drafts specplug trees for heads with
 one. Model Runner V2 (the GPU default) is refused for specplug heads with a clear error.
+On vLLM-CPU it also overrides the CPU_ATTN attention backend with a subclass that adds
+ancestor masks for stage-"tree" steps (tree_attention.py; other steps run vLLM's kernel).
 """
 
 from __future__ import annotations
@@ -43,12 +45,29 @@ def register() -> None:
     original = gpu_model_runner.EagleProposer
     gpu_model_runner.EagleProposer = make_proposer_class(original)
     _refuse_model_runner_v2()
+    tree_attention = _override_cpu_attention()
     _registered = True
     logger.info(
         "specplug %s registered: vllm.v1.worker.gpu_model_runner.EagleProposer replaced by "
         "SpecplugEagleProposer (specplug trees for heads whose config.json has a 'specplug' "
-        "section; vLLM's own EAGLE path otherwise)", _version(),
+        "section; vLLM's own EAGLE path otherwise)%s", _version(),
+        "; attention backend CPU_ATTN overridden by TreeCPUAttentionBackend (vLLM's kernel, plus "
+        "ancestor masks in stage-tree steps only)" if tree_attention else "",
     )
+
+
+def _override_cpu_attention() -> bool:
+    """On vLLM-CPU, CPU_ATTN becomes specplug's TreeCPUAttentionBackend: vLLM's kernel for
+    every row, plus ancestor-masked tree rows in stage-"tree" steps (tree_attention.py)."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return False
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+
+    register_backend(AttentionBackendEnum.CPU_ATTN,
+                     "specplug.vllm_eagle3.tree_attention.TreeCPUAttentionBackend")
+    return True
 
 
 def _refuse_model_runner_v2() -> None:

@@ -5,7 +5,10 @@ head whose config.json has no `specplug` section every method is vLLM's own. Wit
 specplug head, `propose` drafts an EAGLE-2 dynamic tree per request from the target's
 aux hidden states and hands vLLM one root path of it as its chain (stage A: the path
 with the largest expected accepted length), which specplug's chain sampler (sampler.py,
-in place of the runner's rejection sampler) verifies losslessly.
+in place of the runner's rejection sampler) verifies losslessly. In stage "tree"
+(tree_verify.py) it hands vLLM every kept node of the tree as a draft token instead, and
+vLLM's target verifies the whole tree in one pass; requests whose sampling needs vLLM's
+own sampler or a grammar (sampler.needs_chain) still get a chain.
 
 Per-request draft state is a dense key/value cache of the head (positions 0..P-1 of the
 committed sequence), kept here keyed by request id and truncated to the first position
@@ -23,11 +26,12 @@ import torch
 
 from specplug.vllm_eagle3.adaptive import AdaptiveController
 from specplug.vllm_eagle3.dense_head import DenseEagle3Head, Segment
-from specplug.vllm_eagle3.sampler import SpecplugChainSampler
+from specplug.vllm_eagle3.sampler import SpecplugChainSampler, needs_chain
 from specplug.vllm_eagle3.settings import (
     AdapterSettings,
     adapter_settings,
     check_head_matches_target,
+    check_num_speculative_tokens,
     specplug_section,
 )
 from specplug.vllm_eagle3.tree_draft import Root, best_chains, draft_trees, full_budget
@@ -72,6 +76,11 @@ def make_proposer_class(eagle_proposer_cls):
                 return
             check_head_matches_target(self.draft_model_config.model, vllm_config.model_config.hf_text_config)
             self.specplug = adapter_settings(section)
+            check_num_speculative_tokens(self.specplug, self.num_speculative_tokens)
+            self.tree_verifier = None  # stage "tree": a TreeVerifier, built with the runner
+            if self.specplug.stage == "tree":
+                from specplug.vllm_eagle3.tree_verify import check_platform
+                check_platform(vllm_config)
             self._dense_head: DenseEagle3Head | None = None
             self._caches: dict[str, _DraftCache] = {}
             self.adaptive: AdaptiveController | None = None
@@ -83,18 +92,22 @@ def make_proposer_class(eagle_proposer_cls):
                 logger.info("specplug adaptive speculation on: each step drafts 0..%d tokens, chosen by "
                             "specplug.common.cost from step costs and acceptance measured in this engine",
                             self.num_speculative_tokens)
-            logger.info(
-                "specplug EAGLE-3 proposer active for head %s: dynamic tree topk=%d depth=%d, "
-                "stage %s (the tree's best path is verified as a chain)", self.draft_model_config.model,
-                self.specplug.tree.topk, self.num_speculative_tokens, self.specplug.stage,
-            )
+            self._log_active()
 
         def load_model(self, target_model):
             super().load_model(target_model)
             if self.specplug is not None and self.runner is not None:
                 # the runner builds its rejection sampler after the drafter: swap it here
                 on_verify = None if self.adaptive is None else self.adaptive.record_verify
-                self.runner.rejection_sampler = SpecplugChainSampler(self.runner.rejection_sampler, on_verify)
+                if self.specplug.stage == "tree":
+                    from specplug.vllm_eagle3.tree_verify import TreeVerifier
+                    self.tree_verifier = TreeVerifier(self.runner)
+                    self.tree_verifier.install()
+                    logger.info("specplug stage tree: runner._prepare_inputs and _build_attention_metadata "
+                                "wrapped (tree positions, ancestor mask via CPU_ATTN override, KV "
+                                "compaction after verification)")
+                self.runner.rejection_sampler = SpecplugChainSampler(self.runner.rejection_sampler, on_verify,
+                                                                     self.tree_verifier)
                 logger.info("specplug: runner.rejection_sampler replaced by SpecplugChainSampler "
                             "(specplug.common.sampling.verify)")
 
@@ -115,6 +128,9 @@ def make_proposer_class(eagle_proposer_cls):
             if self.adaptive is not None:
                 self.adaptive.step_started(int(common_attn_metadata.query_start_loc_cpu[
                     common_attn_metadata.num_reqs]))
+            if self.tree_verifier is not None:  # accepted tree nodes first, as in a chain
+                target_token_ids, target_positions, target_hidden_states = self.tree_verifier.committed_order(
+                    target_token_ids, target_positions, target_hidden_states)
             try:
                 with torch.inference_mode():
                     return self._propose_chains(
@@ -131,7 +147,8 @@ def make_proposer_class(eagle_proposer_cls):
                             attn_metadata, num_rejected):
             """Returns the best tree path per request, [batch, depth] (int); in adaptive mode
             [batch, chosen depth], 0 columns = no speculation for this step (vLLM's scheduler
-            takes each request's list of drafts as is and verifies exactly that many)."""
+            takes each request's list of drafts as is and verifies exactly that many); in
+            stage "tree" every kept tree node, [batch, budget]."""
             batch = attn_metadata.num_reqs
             self._forget_finished()
             discarded = self.runner.discard_request_mask.cpu[:batch].tolist()
@@ -145,16 +162,40 @@ def make_proposer_class(eagle_proposer_cls):
                     return torch.zeros(batch, 0, dtype=next_token_ids.dtype, device=next_token_ids.device)
                 requests = [self._with_pending(r) for r in requests]
             roots = self._catch_up(requests) if requests else []
-            chains = torch.zeros(batch, depth, dtype=next_token_ids.dtype)
-            if keep and depth > 0:
-                started = time.perf_counter()
-                topk = self.specplug.tree.topk
-                budget = full_budget(depth, topk, roots[0].logprobs.shape[-1])
-                trees = draft_trees(self._dense_head, [roots[i] for i in keep], depth, topk, budget)
-                chains[[rows[i] for i in keep]] = best_chains(trees, depth).to(chains.dtype)
-                if self.adaptive is not None:
-                    self.adaptive.draft_timed(len(keep), depth, time.perf_counter() - started)
-            return chains.to(next_token_ids.device)
+            if not keep or depth == 0:
+                return torch.zeros(batch, depth, dtype=next_token_ids.dtype, device=next_token_ids.device)
+            started = time.perf_counter()
+            kept_roots = [roots[i] for i in keep]
+            if self.tree_verifier is None:
+                drafts = self._draft_chains(kept_roots, depth)
+            else:
+                drafts = self._draft_trees(kept_roots, [requests[i][0] for i in keep])
+            if self.adaptive is not None:
+                self.adaptive.draft_timed(len(keep), depth, time.perf_counter() - started)
+            out = torch.zeros(batch, drafts.shape[1], dtype=next_token_ids.dtype)
+            out[[rows[i] for i in keep]] = drafts.to(out.dtype)
+            return out.to(next_token_ids.device)
+
+        def _draft_chains(self, roots, depth):
+            """Stage A: each root's best tree path, Long [len(roots), depth]."""
+            topk = self.specplug.tree.topk
+            budget = full_budget(depth, topk, roots[0].logprobs.shape[-1])
+            return best_chains(draft_trees(self._dense_head, roots, depth, topk, budget), depth)
+
+        def _draft_trees(self, roots, req_ids):
+            """Stage B: every kept node of each root's tree, Long [len(roots), N - 1], its
+            topology recorded for the verifier; requests that need a chain (needs_chain) get
+            their best path padded to N - 1 instead, recorded as nothing (= a chain)."""
+            config = self.specplug.tree
+            trees = draft_trees(self._dense_head, roots, config.depth, config.topk, config.budget)
+            drafts = trees.candidates[:, 1:].clone()  # [B, N - 1]
+            chained = torch.tensor([needs_chain(self.runner.requests[r].sampling_params) for r in req_ids])
+            if chained.any():
+                drafts[chained] = best_chains(trees, drafts.shape[1])[chained]
+            for b, req_id in enumerate(req_ids):
+                if not chained[b]:
+                    self.tree_verifier.record(req_id, trees.candidates[b], trees.parents[b])
+            return drafts
 
         def _committed_rows(self, token_ids, positions, aux_hidden, next_token_ids, attn_metadata,
                             num_rejected, discarded):
@@ -226,6 +267,17 @@ def make_proposer_class(eagle_proposer_cls):
                 roots.append(Root(int(shifted[-1]), step.logprobs[last], step.hidden[last], int(positions[-1]),
                                   cache.key, cache.value))
             return roots
+
+        def _log_active(self):
+            tree = self.specplug.tree
+            if self.specplug.stage == "tree":
+                logger.info("specplug EAGLE-3 proposer active for head %s: dynamic tree topk=%d depth=%d "
+                            "budget=%d, stage tree (the whole tree is verified in one target pass)",
+                            self.draft_model_config.model, tree.topk, tree.depth, tree.budget)
+            else:
+                logger.info("specplug EAGLE-3 proposer active for head %s: dynamic tree topk=%d depth=%d, "
+                            "stage chain (the tree's best path is verified as a chain)",
+                            self.draft_model_config.model, tree.topk, self.num_speculative_tokens)
 
         def _cache(self, req_id) -> _DraftCache:
             if req_id not in self._caches:

@@ -6,7 +6,9 @@ without it vLLM's built-in EAGLE-3 path runs untouched. Tree settings come from 
 section's `tree` dict; the environment variable SPECPLUG_TREE (a JSON object, e.g.
 '{"topk": 2}') overrides single keys without editing the checkpoint. Adaptive
 speculation (adaptive.py) is off unless the section says `"adaptive": true`; the
-environment variable SPECPLUG_ADAPTIVE ("1"/"true" or "0"/"false") overrides it.
+environment variable SPECPLUG_ADAPTIVE ("1"/"true" or "0"/"false") overrides it. The
+verification stage comes from the section's `"stage"` ("chain" when absent); the
+environment variable SPECPLUG_STAGE ("chain" or "tree") overrides it.
 """
 
 from __future__ import annotations
@@ -20,8 +22,9 @@ from specplug.common.tree import TreeConfig
 
 ENV_TREE_OVERRIDE = "SPECPLUG_TREE"
 ENV_ADAPTIVE_OVERRIDE = "SPECPLUG_ADAPTIVE"
+ENV_STAGE_OVERRIDE = "SPECPLUG_STAGE"
 _BOOLS = {"1": True, "true": True, "yes": True, "0": False, "false": False, "no": False}
-STAGES = ("chain",)
+STAGES = ("chain", "tree")
 
 
 @dataclass(frozen=True)
@@ -30,10 +33,13 @@ class AdapterSettings:
 
     tree: EAGLE-2 settings (specplug.common.tree.TreeConfig: depth, topk, budget).
       In stage "chain" vLLM's num_speculative_tokens is the draft depth (the chain vLLM
-      verifies has exactly that many tokens) and every drafted node is kept.
+      verifies has exactly that many tokens) and every drafted node is kept. In stage
+      "tree" the depth is tree.depth and num_speculative_tokens must equal tree.budget
+      (every kept node is one vLLM draft token; see check_num_speculative_tokens).
     verification: "lossless" only (vLLM never runs lossy typical acceptance here).
     stage: "chain" = stage A: the tree's best root-to-leaf path is verified as vLLM's
-      chain, by specplug's sampler (specplug.common.sampling.verify).
+      chain, by specplug's sampler (specplug.common.sampling.verify). "tree" = stage B:
+      the whole tree is verified in one target pass (tree_verify.py).
     adaptive: per engine step, draft 0..num_speculative_tokens tokens as chosen by
       specplug.common.cost from costs and acceptance measured in the engine (adaptive.py).
     """
@@ -82,9 +88,29 @@ def adapter_settings(section: Mapping[str, Any], environ: Mapping[str, str] = os
     return AdapterSettings(
         tree=TreeConfig.from_dict(tree),
         verification=section.get("verification", "lossless"),
-        stage=section.get("stage", "chain"),
+        stage=environ.get(ENV_STAGE_OVERRIDE) or section.get("stage", "chain"),
         adaptive=_adaptive_flag(section, environ),
     )
+
+
+def check_num_speculative_tokens(settings: AdapterSettings, num_speculative_tokens: int) -> None:
+    """Stage "tree" hands vLLM every kept tree node as a draft token, so vLLM must
+    reserve exactly tree.budget draft slots per request; raise ValueError otherwise.
+    Adaptive speculation drafts chains of chosen depth: not combined with stage "tree"."""
+    if settings.stage != "tree":
+        return
+    if settings.adaptive:
+        raise ValueError("specplug stage \"tree\" cannot be combined with \"adaptive\": true "
+                         f"(adaptive speculation chooses chain depths); unset {ENV_ADAPTIVE_OVERRIDE} "
+                         "or set \"adaptive\": false, or use stage \"chain\"")
+    budget = settings.tree.budget
+    if num_speculative_tokens != budget:
+        raise ValueError(
+            f"specplug stage \"tree\" verifies tree.budget={budget} draft nodes per step as vLLM draft "
+            f"tokens, but num_speculative_tokens is {num_speculative_tokens}: set "
+            f"\"num_speculative_tokens\": {budget} in vLLM's speculative_config (or change the head's "
+            f"tree budget, e.g. {ENV_TREE_OVERRIDE}='{{\"budget\": {num_speculative_tokens}}}')"
+        )
 
 
 def _adaptive_flag(section: Mapping[str, Any], environ: Mapping[str, str]) -> bool:

@@ -160,3 +160,22 @@ def agreeing_head_dir(target_dir: Path, *, specplug: dict | None = None) -> Path
         write_head(tmp, config, tensors)
 
     return cached_dir("eagle3-agree", spec, write)
+
+
+TWO_DRAFT_TOKENS = (100, 101)  # the two most likely tokens of the constant target
+
+
+def two_token_head_dir(target_dir: Path, *, specplug: dict | None = None) -> Path:
+    """An EAGLE-3 head whose draft vocabulary is TWO_DRAFT_TOKENS (via d2t), with random
+    preferences between them: with topk 2 its trees branch at every node."""
+    spec = {"target": str(target_dir), "specplug": specplug, "two": TWO_DRAFT_TOKENS}
+
+    def write(tmp: Path):
+        config = head_config(target_dir, draft_vocab_size=len(TWO_DRAFT_TOKENS), specplug=specplug)
+        tensors = random_head_tensors(config)
+        tensors["d2t"] = torch.tensor([t - i for i, t in enumerate(TWO_DRAFT_TOKENS)], dtype=torch.long)
+        tensors["t2d"] = torch.zeros(config["vocab_size"], dtype=torch.bool)
+        tensors["t2d"][list(TWO_DRAFT_TOKENS)] = True
+        write_head(tmp, config, tensors)
+
+    return cached_dir("eagle3-two", spec, write)

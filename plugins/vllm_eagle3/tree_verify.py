@@ -1,0 +1,201 @@
+"""Stage "tree": vLLM verifies a whole draft tree in one target pass (V1 runner, CPU).
+
+The scheduler is untouched: the proposer hands vLLM a tree's N non-root nodes as N draft
+tokens (node i is draft token i; parents precede children, so any prefix of the nodes
+vLLM may keep is still a tree) and records the topology here, keyed by request id.
+vLLM reserves the N slots ctx+1..ctx+N as for a chain. `TreeVerifier` then hooks the
+model runner (instance attributes, installed once by `install`):
+
+1. `_prepare_inputs`: builds the step's plan and overwrites the tree rows' positions with
+   ctx + depth (the slot mapping is already computed from the chain positions, so only
+   RoPE sees tree positions).
+2. `_build_attention_metadata`: attaches the plan's TreeRows to every CPU attention
+   metadata object (tree_attention.py masks those rows) and keeps each layer's slot
+   mapping for the compaction.
+3. the sampler (sampler.SpecplugChainSampler with this verifier as its `tree`) gets the
+   tree layout from `parents_for`, verifies with specplug.common.sampling.verify, and
+   calls `accept`, which copies each accepted node's KV from slot ctx+n_i to ctx+i in
+   every layer and keeps the row order the proposer applies to its inputs
+   (`committed_order`), so the drafter and the rest of vLLM see an ordinary chain.
+
+Requests drafted as chains (structured output, penalties, ... see the proposer) and
+steps without trees leave all of this inactive.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+
+from specplug.common.tree import ancestor_mask, tree_depths
+from specplug.vllm_eagle3 import paged_kv
+from specplug.vllm_eagle3.sampler import is_chain
+from specplug.vllm_eagle3.tree_attention import TreeRows
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class TreeStep:
+    """One engine step's trees (only built when at least one request verifies a tree)."""
+
+    parents: list[torch.Tensor]  # per batch row, Long [n_b + 1] (chains for non-tree requests)
+    root_rows: list[int]  # per batch row, token row of its root
+    trees: list[TreeRows]  # the requests whose tree is not a chain
+    layer_slots: dict[str, torch.Tensor] = field(default_factory=dict)  # layer -> slot mapping [T]
+
+
+def check_platform(vllm_config) -> None:
+    """Start-up checks of stage "tree": the CPU attention backend and its KV layout."""
+    from vllm.platforms import current_platform
+    from vllm.v1.attention.backends import cpu_attn
+
+    if not current_platform.is_cpu():
+        raise RuntimeError(
+            "specplug stage \"tree\" masks vLLM's CPU attention backend and runs on vLLM-CPU only; "
+            "on GPUs use stage \"chain\" (SPECPLUG_STAGE=chain)"
+        )
+    model = vllm_config.model_config
+    isa = cpu_attn._get_attn_isa(model.dtype, vllm_config.cache_config.block_size, model.get_head_size(),
+                                 vllm_config.cache_config.cache_dtype)
+    paged_kv.check_layout(isa, model.dtype)
+
+
+class TreeVerifier:
+    """Per-engine stage-B state: recorded trees, the current step's plan, the compaction."""
+
+    def __init__(self, runner):
+        self.runner = runner
+        self._drafted: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # req -> (tokens, parents) [N + 1]
+        self.step: TreeStep | None = None
+        self._order: torch.Tensor | None = None  # Long [T] row permutation for the drafter
+
+    # -- hooks ---------------------------------------------------------------------------
+    def install(self) -> None:
+        """Wrap the runner's `_prepare_inputs` and `_build_attention_metadata` (instance
+        attributes: the class and other engines are untouched)."""
+        runner = self.runner
+        prepare, build = runner._prepare_inputs, runner._build_attention_metadata
+
+        def _prepare_inputs(scheduler_output, num_scheduled_tokens):
+            out = prepare(scheduler_output, num_scheduled_tokens)
+            self._plan(out[1])
+            return out
+
+        def _build_attention_metadata(*args, **kwargs):
+            attn_metadata, spec_metadata = build(*args, **kwargs)
+            if self.step is not None and not kwargs.get("for_cudagraph_capture", False):
+                self._attach(attn_metadata)
+            return attn_metadata, spec_metadata
+
+        runner._prepare_inputs = _prepare_inputs
+        runner._build_attention_metadata = _build_attention_metadata
+
+    def record(self, req_id: str, tokens: torch.Tensor, parents: torch.Tensor) -> None:
+        """The tree handed to vLLM for req_id: tokens / parents Long [N + 1], root first."""
+        self._drafted[req_id] = (tokens, parents)
+
+    # -- step plan -----------------------------------------------------------------------
+    def _plan(self, spec_metadata) -> None:
+        """The step's TreeStep (or None: no request verifies a non-chain tree), and tree
+        positions for its rows."""
+        self.step, self._order = None, None
+        drafted, self._drafted = self._drafted, {}
+        if spec_metadata is None or not drafted:
+            return
+        num_reqs = len(spec_metadata.num_draft_tokens)
+        req_ids = self.runner.input_batch.req_ids[:num_reqs]
+        ends = self.runner.query_start_loc.np[1:num_reqs + 1].tolist()
+        drafts = spec_metadata.draft_token_ids.cpu().split(spec_metadata.num_draft_tokens)
+        parents, root_rows, trees = [], [], []
+        for b, (req_id, n) in enumerate(zip(req_ids, spec_metadata.num_draft_tokens)):
+            parents.append(self._parents(drafted.get(req_id), drafts[b]))
+            root_rows.append(ends[b] - n - 1)
+            if not is_chain(parents[-1]):
+                trees.append(self._tree_rows(b, root_rows[-1], parents[-1]))
+        if trees:
+            self.step = TreeStep(parents, root_rows, trees)
+
+    @staticmethod
+    def _parents(drafted, drafts: torch.Tensor) -> torch.Tensor:
+        """Long [n + 1]: the recorded tree's first n + 1 nodes if vLLM scheduled exactly its
+        first n draft tokens (drafts Long [n]), else a chain (vLLM's own or zeroed drafts)."""
+        n = drafts.shape[0]
+        chain = torch.arange(-1, n)
+        if drafted is None or n + 1 > drafted[0].shape[0]:
+            return chain
+        tokens, parents = drafted
+        return parents[:n + 1] if torch.equal(tokens[1:n + 1], drafts.to(tokens.dtype)) else chain
+
+    def _tree_rows(self, batch_row: int, root_row: int, parents: torch.Tensor) -> TreeRows:
+        """Tree positions for the request's rows; its TreeRows for the attention."""
+        positions = self.runner.positions  # [max tokens], chain positions from _prepare_inputs
+        rows = slice(root_row, root_row + parents.shape[0])
+        positions[rows] = positions[root_row] + tree_depths(parents).to(positions.dtype)
+        mask = ancestor_mask(parents)  # [N, N]
+        chain_mask = torch.ones_like(mask).tril()
+        return TreeRows(batch_row, root_row, mask, (mask != chain_mask).any(dim=1).nonzero().flatten())
+
+    def _attach(self, attn_metadata) -> None:
+        if not isinstance(attn_metadata, dict):
+            raise RuntimeError("specplug stage \"tree\" does not support micro-batching (ubatch): "
+                               "use stage \"chain\" (SPECPLUG_STAGE=chain)")
+        for layer_name, metadata in attn_metadata.items():
+            if hasattr(metadata, "block_table") and hasattr(metadata, "slot_mapping"):
+                metadata.specplug_tree = self.step.trees
+                self.step.layer_slots[layer_name] = metadata.slot_mapping
+
+    # -- verification and compaction ------------------------------------------------------
+    def parents_for(self, num_draft_tokens: list[int]) -> list[torch.Tensor] | None:
+        """The step's tree topology per batch row (Long [n_b + 1]), or None: all chains."""
+        if self.step is None:
+            return None
+        if [p.shape[0] - 1 for p in self.step.parents] != list(num_draft_tokens):
+            raise RuntimeError("specplug stage \"tree\": the sampler's draft counts differ from the "
+                               "step's plan; this vLLM version is not supported")
+        return self.step.parents
+
+    def accept(self, accepted_nodes: torch.Tensor, num_accepted: torch.Tensor) -> None:
+        """After verification: move the accepted path (accepted_nodes Long [B, D + 1],
+        num_accepted Long [B]) to the chain slots ctx+1..ctx+a in every layer's KV, and
+        keep the matching row order for the drafter. Ends the step."""
+        step, self.step = self.step, None
+        if step is None:
+            return
+        src, dst = [], []
+        for tree in step.trees:
+            a = int(num_accepted[tree.batch_row])
+            path = accepted_nodes[tree.batch_row, 1:a + 1].cpu()  # [a] node ids, depth 1..a
+            moved = path != torch.arange(1, a + 1)
+            src.append(tree.root_row + path[moved])
+            dst.append(tree.root_row + torch.arange(1, a + 1)[moved])
+        src, dst = torch.cat(src), torch.cat(dst)
+        if src.numel() == 0:
+            return
+        self._copy_kv(step.layer_slots, src, dst)
+        total = int(self.runner.query_start_loc.np[len(step.parents)])
+        self._order = torch.arange(total)
+        self._order[dst] = src
+
+    def _copy_kv(self, layer_slots: dict[str, torch.Tensor], src_rows, dst_rows) -> None:
+        layers = self.runner.compilation_config.static_forward_context
+        for layer_name, slots in layer_slots.items():
+            layer = layers[layer_name]
+            paged_kv.copy_slots(layer.kv_cache, layer.isa, slots[src_rows].long(), slots[dst_rows].long())
+
+    def committed_order(self, *rows: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The drafter's inputs (token ids [T], positions [T], aux hidden [T, 3H], ...) with each
+        tree request's accepted nodes moved to rows root+1..root+a (identity without a move)."""
+        if self._order is None:
+            return rows
+        order, self._order = self._order, None
+        return tuple(_reorder(x, order) for x in rows)
+
+
+def _reorder(x: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    """x [T, ...] with its first len(order) rows taken in `order` (a copy)."""
+    out = x.clone()
+    out[: order.shape[0]] = x[order.to(x.device)]
+    return out
