@@ -3,8 +3,12 @@ groups of `batch_size` requests that all generate exactly `max_new_tokens` token
 
 Methods: `none` (no speculation), `ngram` (vLLM's prompt lookup), `eagle3` (vLLM's
 built-in EAGLE-3 chain with the head's weights, the `specplug` config section
-stripped) and `specplug` (the same head with its `specplug` section: our proposer;
-with `--adaptive` a copy of the head whose section says `"adaptive": true`).
+stripped), `specplug` (stage A: the same head with its `specplug` section, stage
+"chain": our proposer, the tree's best path verified as a chain; with `--adaptive` a
+copy of the head whose section says `"adaptive": true`) and `specplug-tree` (stage B: a
+copy whose section says `"stage": "tree"`, the whole tree verified in one target pass,
+num_speculative_tokens = the tree budget). Tree settings come from the head's section
+with SPECPLUG_TREE applied, exactly as the proposer reads them.
 """
 
 from __future__ import annotations
@@ -56,6 +60,20 @@ def adaptive_head(head: str) -> str:
                       lambda config: config.setdefault("specplug", {}).update(adaptive=True))
 
 
+def staged_head(head: str, stage: str) -> str:
+    """A folder with the same weights whose `specplug` section says `"stage": stage`."""
+    return _head_copy(head, f"specplug-{stage}-head-",
+                      lambda config: config.setdefault("specplug", {}).update(stage=stage))
+
+
+def head_settings(head: str):
+    """The AdapterSettings the proposer will read from this head (SPECPLUG_TREE applied)."""
+    from specplug.vllm_eagle3.settings import adapter_settings
+
+    config = json.loads((Path(head) / "config.json").read_text())
+    return adapter_settings(config.get("specplug") or {})
+
+
 def _head_copy(head: str, prefix: str, edit) -> str:
     """Symlinks to `head`'s files in a new folder, with config.json changed by edit(config)."""
     src = Path(head)
@@ -88,7 +106,7 @@ class VllmRunner:
         self._method, self._llm = None, None
 
     def methods(self) -> list[str]:
-        return ["none", "ngram"] + (["eagle3", "specplug"] if self.head else [])
+        return ["none", "ngram"] + (["eagle3", "specplug", "specplug-tree"] if self.head else [])
 
     def speculative_config(self, method: str) -> dict | None:
         if method == "none":
@@ -97,14 +115,16 @@ class VllmRunner:
             return dict(NGRAM_CONFIG)
         if self.head is None:
             raise SystemExit(f"specplug bench: method {method!r} needs --head (an EAGLE-3 head folder)")
-        head_config = json.loads((Path(self.head) / "config.json").read_text())
-        depth = int(head_config.get("specplug", {}).get("tree", {}).get("depth", 4))
+        tree = head_settings(self.head).tree
         if method == "eagle3":
             return {"method": "eagle3", "model": strip_specplug_section(self.head),
-                    "num_speculative_tokens": depth}
+                    "num_speculative_tokens": tree.depth}
         if method == "specplug":
-            head = adaptive_head(self.head) if self.adaptive else self.head
-            return {"method": "eagle3", "model": head, "num_speculative_tokens": depth}
+            head = adaptive_head(self.head) if self.adaptive else staged_head(self.head, "chain")
+            return {"method": "eagle3", "model": head, "num_speculative_tokens": tree.depth}
+        if method == "specplug-tree":
+            return {"method": "eagle3", "model": staged_head(self.head, "tree"),
+                    "num_speculative_tokens": tree.budget}
         raise SystemExit(f"specplug bench: unknown vLLM method {method!r}; choose from {self.methods()}")
 
     def _engine(self, method: str):

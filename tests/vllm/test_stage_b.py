@@ -301,3 +301,17 @@ def test_budget_and_num_speculative_tokens_disagree_at_start(target, tree_head):
         LLM(model=str(target), dtype="float32", max_model_len=512, enforce_eager=True,
             distributed_executor_backend="uni", kv_cache_memory_bytes=64 << 20,
             speculative_config={"method": "eagle3", "model": str(tree_head), "num_speculative_tokens": 3})
+
+
+def test_bench_runs_stage_b_as_specplug_tree(target, tree_head):
+    import json
+    from pathlib import Path
+
+    from specplug.vllm_eagle3.bench_runner import VllmRunner
+
+    runner = VllmRunner(str(target), str(tree_head), max_new_tokens=8, temperature=0.0, seed=0, max_batch=1)
+    assert runner.methods()[-2:] == ["specplug", "specplug-tree"]
+    for method, stage, tokens in (("specplug", "chain", TREE["depth"]), ("specplug-tree", "tree", BUDGET)):
+        config = runner.speculative_config(method)
+        assert config["num_speculative_tokens"] == tokens
+        assert json.loads((Path(config["model"]) / "config.json").read_text())["specplug"]["stage"] == stage
