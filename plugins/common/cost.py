@@ -30,16 +30,35 @@ import torch
 
 @dataclass(frozen=True)
 class SpecOption:
-    """One speculation setting: draft `depth` levels, verify `nodes` drafted tokens."""
+    """One speculation setting: draft `depth` levels, verify `nodes` drafted tokens.
+
+    draft_steps: drafter passes the option costs (None = `depth`, one pass per tree
+        level as in EAGLE; Medusa's heads draft every level in 1 pass).
+    prior_alphas: per-depth acceptance predicted for this option (e.g. from a Medusa
+        tree's head accuracies), used as its prior until measured; None = the
+        tracker's shared prior. Not part of the option's identity.
+    """
 
     depth: int
     nodes: int
+    draft_steps: int | None = None
+    prior_alphas: tuple[float, ...] | None = field(default=None, compare=False)
 
     def __post_init__(self):
         if self.depth < 1 or self.nodes < self.depth:
             raise ValueError(
                 f"SpecOption needs depth >= 1 and nodes >= depth, got depth={self.depth}, "
                 f"nodes={self.nodes}: a tree of depth d has at least d drafted nodes")
+        if self.draft_steps is not None and self.draft_steps < 0:
+            raise ValueError(f"SpecOption draft_steps must be >= 0 or None (= depth), got {self.draft_steps}")
+        if self.prior_alphas is not None and len(self.prior_alphas) != self.depth:
+            raise ValueError(f"SpecOption prior_alphas needs one value per depth ({self.depth}), "
+                             f"got {len(self.prior_alphas)}")
+
+    @property
+    def passes(self) -> int:
+        """Drafter passes per step (draft_steps, or depth when unset)."""
+        return self.depth if self.draft_steps is None else self.draft_steps
 
 
 @dataclass(frozen=True)
@@ -78,10 +97,29 @@ def tree_expected_tokens(parents: torch.Tensor, accept_prob: torch.Tensor) -> fl
     Exact when acceptances along a path are independent and siblings are exclusive
     events (at most one child of a node is accepted).
     """
+    return 1.0 + float(_reach(parents, accept_prob)[1:].sum())
+
+
+def tree_depth_alphas(parents: torch.Tensor, depth: torch.Tensor, accept_prob: torch.Tensor) -> tuple[float, ...]:
+    """Per-depth acceptance alpha_d of a tree: P(some node at depth d is accepted | depth
+    d-1 was) = R_d / R_(d-1), R_d the summed path probability of the depth-d nodes.
+
+    parents, depth, accept_prob  # [nodes] each, as in tree_expected_tokens
+    chain_expected_tokens(alphas, max depth) then equals tree_expected_tokens exactly.
+    """
+    reach = _reach(parents, accept_prob)
+    max_depth = int(depth.max()) if len(depth) else 0
+    by_depth = torch.zeros(max_depth + 1, dtype=torch.float64).index_add_(0, depth.long().cpu(), reach)
+    return tuple(float(by_depth[d] / by_depth[d - 1]) if by_depth[d - 1] > 0 else 0.0
+                 for d in range(1, max_depth + 1))
+
+
+def _reach(parents: torch.Tensor, accept_prob: torch.Tensor) -> torch.Tensor:
+    """P(path to node i accepted) for every node, [nodes] float64 (root: 1)."""
     reach = torch.ones(len(parents), dtype=torch.float64)
     for i in range(1, len(parents)):
         reach[i] = reach[int(parents[i])] * float(accept_prob[i])
-    return 1.0 + float(reach[1:].sum())
+    return reach
 
 
 class Curve:
@@ -126,7 +164,7 @@ class StepCosts:
     def step_time(self, batch: int, option: SpecOption | None) -> float:
         if option is None:
             return self.verify(batch)
-        return option.depth * self.draft(batch) + self.verify(batch * (option.nodes + 1))
+        return option.passes * self.draft(batch) + self.verify(batch * (option.nodes + 1))
 
 
 @dataclass
@@ -152,20 +190,48 @@ class AcceptanceTracker:
         self._accepted[option] = d * self._accepted.get(option, torch.zeros_like(tried)) + accepted
 
     def alphas(self, option: SpecOption) -> list[float]:
-        """Posterior-mean acceptance per depth for `option` (prior where unmeasured).
+        """Posterior-mean acceptance per depth for `option`: its own counts, shrunk
+        towards `prior(option)` with weight `config.prior_weight`."""
+        prior = self.prior(option)
+        return self._posterior(option, prior)
 
-        An option not yet measured borrows the counts of the measured option with
-        the most tried drafts, so one well-measured setting informs the others.
+    def prior(self, option: SpecOption) -> list[float]:
+        """What `option` is expected to accept before its own counts say otherwise.
+
+        The base prior is the option's `prior_alphas` (e.g. modelled from a Medusa
+        tree's head accuracies) or `config.prior_alpha` at every depth. The option
+        measured most (if another) informs it per depth: its posterior replaces a flat
+        base prior, and rescales a modelled one by measured / modelled, so one
+        well-measured setting calibrates the others.
         """
-        c = self.config
-        key = option if option in self._tried else self._most_measured()
+        base = self._base_prior(option)
+        ref = self._most_measured()
+        if ref is None or ref == option:
+            return base
+        ref_base = self._base_prior(ref)
+        ref_post = self._posterior(ref, ref_base)
+        out = list(base)
+        for d in range(min(option.depth, ref.depth)):
+            if option.prior_alphas is None:
+                out[d] = ref_post[d]
+            elif ref_base[d] > 0:
+                out[d] = min(1.0, base[d] * ref_post[d] / ref_base[d])
+        return out
+
+    def _base_prior(self, option: SpecOption) -> list[float]:
+        if option.prior_alphas is not None:
+            return list(option.prior_alphas)
+        return [self.config.prior_alpha] * option.depth
+
+    def _posterior(self, option: SpecOption, prior: Sequence[float]) -> list[float]:
+        w = self.config.prior_weight
+        tried = self._tried.get(option)
+        accepted = self._accepted.get(option)
         out = []
-        for depth in range(option.depth):
-            tried = accepted = 0.0
-            if key is not None and depth < len(self._tried[key]):
-                tried = float(self._tried[key][depth])
-                accepted = float(self._accepted[key][depth])
-            out.append((accepted + c.prior_alpha * c.prior_weight) / (tried + c.prior_weight))
+        for d in range(option.depth):
+            t = float(tried[d]) if tried is not None else 0.0
+            a = float(accepted[d]) if accepted is not None else 0.0
+            out.append((a + prior[d] * w) / (t + w))
         return out
 
     def _most_measured(self):
@@ -181,16 +247,18 @@ def modelled_speedup(batch: int, option: SpecOption, alphas: Sequence[float],
     return tokens * costs.step_time(batch, None) / costs.step_time(batch, option)
 
 
-def choose(batch: int, tracker: AcceptanceTracker, costs: StepCosts) -> SpecOption | None:
+def choose(batch: int, tracker: AcceptanceTracker, costs: StepCosts,
+           options: Sequence[SpecOption] | None = None) -> SpecOption | None:
     """The option with the best modelled speed-up for this batch, or None (no speculation).
 
     None whenever no option beats plain decoding by `config.margin`, which is what
     keeps a busy, compute-bound server from being slowed down by speculation.
+    `options` restricts the choice (default: all of `tracker.config.options`).
     """
     if batch < 1:
         raise ValueError(f"batch must be >= 1, got {batch}")
     best, best_gain = None, tracker.config.margin
-    for option in tracker.config.options:
+    for option in tracker.config.options if options is None else options:
         gain = modelled_speedup(batch, option, tracker.alphas(option), costs)
         if gain > best_gain:
             best, best_gain = option, gain

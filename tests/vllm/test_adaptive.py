@@ -126,16 +126,20 @@ def test_verify_results_feed_the_acceptance_tracker():
     assert accepted.tolist() == [1.0, 1.0, 1.0]
 
 
-def test_controller_explores_until_measured_then_uses_the_model():
-    """With nothing measured it explores (deepest first); once every step size has
-    min_samples timings, non-exploring steps follow cost.choose."""
+def test_controller_explores_upwards_then_uses_the_model():
+    """The proposer's calls drive the shared controller (tests/common/test_adaptive.py):
+    nothing measured -> a plain step; then one size up at the optimistic cost; once the
+    timings show a linear verify cost and dear drafts, no speculation."""
     adaptive = AdaptiveController(2)
-    assert adaptive.choose_depth(1) == 2
+    assert adaptive.choose_depth(1) == 0
+    adaptive.step_finished()
+    adaptive.step_started(1)  # a plain step of 1 token was timed
+    assert adaptive.choose_depth(1) == 1
     for tokens in (1, 2, 3):  # batch 1 at depths 0, 1, 2
-        for _ in range(2):
-            adaptive._verify.add(tokens, float(tokens))  # linear verify cost
-    adaptive._draft.add(1, 10.0)
+        adaptive.verify_timed(tokens, float(tokens))  # linear verify cost
+    adaptive.draft_timed(1, 1, 10.0)
     assert adaptive.choose_depth(1) == 0  # linear verify, dear drafts: no speculation
+    assert adaptive.depth_counts == {0: 2, 1: 1}
 
 
 def test_bench_adaptive_head_copy_says_adaptive(specplug_head):
