@@ -2,9 +2,11 @@
 fed in groups of `batch_size` requests that all generate exactly `max_new_tokens` tokens.
 
 Methods: `none` (no speculation), `ngram` (SGLang's NGRAM; on CPU its trees are verified
-through specplug's torch_native hook), `medusa` (specplug MEDUSA, lossless) and
-`medusa-typical` (the same heads with typical acceptance, LOSSY). Acceptance comes from
-SGLang's per-request meta_info (specplug.sglang_medusa.metrics).
+through specplug's torch_native hook), `medusa` (specplug MEDUSA, lossless),
+`medusa-typical` (the same heads with typical acceptance, LOSSY) and `medusa-adaptive`
+(MEDUSA with adaptive speculation: `--speculative-adaptive`). With `--adaptive`, every
+MEDUSA method runs adaptive. Acceptance comes from SGLang's per-request meta_info
+(specplug.sglang_medusa.metrics).
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ def make_runner(args):
     model = args.model or str(testbed.target_dir())
     return SglangRunner(model, args.head or default_head(), max_new_tokens=args.max_new_tokens,
                         temperature=args.temperature, seed=args.seed,
-                        max_batch=max(int(b) for b in args.batch_sizes.split(",") if b))
+                        max_batch=max(int(b) for b in args.batch_sizes.split(",") if b),
+                        adaptive=getattr(args, "adaptive", False))
 
 
 def default_head() -> str | None:
@@ -53,18 +56,19 @@ class SglangRunner:
     engine = "sglang"
 
     def __init__(self, model: str, head: str | None, *, max_new_tokens: int, temperature: float,
-                 seed: int, max_batch: int):
+                 seed: int, max_batch: int, adaptive: bool = False):
         import sglang
         from transformers import AutoTokenizer
 
         self.version = sglang.__version__
         self.model, self.head = model, head
         self.max_new_tokens, self.temperature, self.seed, self.max_batch = max_new_tokens, temperature, seed, max_batch
+        self.adaptive = adaptive
         self.tokenizer = AutoTokenizer.from_pretrained(model)
         self._method, self._engine = None, None
 
     def methods(self) -> list[str]:
-        return ["none", "ngram"] + (["medusa", "medusa-typical"] if self.head else [])
+        return ["none", "ngram"] + (["medusa", "medusa-typical", "medusa-adaptive"] if self.head else [])
 
     def speculative_args(self, method: str) -> dict:
         if method == "none":
@@ -74,7 +78,9 @@ class SglangRunner:
         if self.head is None:
             raise SystemExit(f"specplug bench: method {method!r} needs --head (a Medusa heads folder)")
         medusa = {"speculative_algorithm": "MEDUSA", "speculative_draft_model_path": self.head}
-        if method == "medusa":
+        if self.adaptive or method == "medusa-adaptive":
+            medusa["speculative_adaptive"] = True
+        if method in ("medusa", "medusa-adaptive"):
             return medusa
         if method == "medusa-typical":
             return {**medusa, **TYPICAL}

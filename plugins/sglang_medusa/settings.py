@@ -9,6 +9,14 @@ Server arguments read (everything else keeps SGLang's meaning):
   --speculative-accept-threshold-single EPS  with a value < 1: typical acceptance (LOSSY)
   --speculative-accept-threshold-acc DELTA   with epsilon EPS / delta DELTA (Medusa-2).
   --disable-overlap-schedule           set for you: the worker runs synchronously.
+  --speculative-adaptive               adaptive speculation (specplug's, see below).
+
+Adaptive speculation (per step the tree budget, down to none, chosen by
+specplug.common.adaptive from costs and acceptance measured in the engine) is on when
+the heads' section says `"adaptive": true` or `--speculative-adaptive` is given; the
+environment variable SPECPLUG_ADAPTIVE=1/0 overrides both. (SGLang's own adaptive
+mode supports only EAGLE and logs that it is disabled for MEDUSA; specplug's worker
+reads the flag as given.)
 
 Unset tree arguments come from the heads' config.json `specplug` section ("tree",
 "verification", "head_accuracies"), then from TreeConfig's defaults. The tree SHAPE is
@@ -26,6 +34,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from specplug.common.adaptive import adaptive_flag
 from specplug.common.sampling import TYPICAL_DELTA, TYPICAL_EPSILON
 from specplug.common.tree import TreeConfig
 
@@ -43,6 +52,7 @@ class MedusaSettings:
     choices: an explicit static tree (Medusa top-k index paths) or None.
     verification: "lossless" (greedy at T=0, target-only tree rejection sampling at
         T>0: the output distribution is exactly the target's) or "typical" (LOSSY).
+    adaptive: choose each step's tree budget (down to none) from measured costs.
     """
 
     heads_path: str
@@ -52,6 +62,7 @@ class MedusaSettings:
     typical_epsilon: float = TYPICAL_EPSILON
     typical_delta: float = TYPICAL_DELTA
     head_accuracies: tuple[tuple[float, ...], ...] | None = None
+    adaptive: bool = False
 
     @property
     def num_nodes(self) -> int:
@@ -139,13 +150,16 @@ def _verification(cfg, section: dict) -> tuple[str, float, float]:
     return (verification, eps if eps < 1.0 else TYPICAL_EPSILON, delta if delta < 1.0 else TYPICAL_DELTA)
 
 
-def settings_from_server_args(cfg) -> MedusaSettings:
-    """Parse and check the arguments above; ValueError names the argument and the fix."""
+def settings_from_server_args(cfg, adaptive_arg: bool = False, environ=None) -> MedusaSettings:
+    """Parse and check the arguments above; ValueError names the argument and the fix.
+    adaptive_arg: --speculative-adaptive as the user gave it (SGLang resolves it to False
+    for MEDUSA, so the caller passes the raw value)."""
+    environ = os.environ if environ is None else environ
     if not cfg.speculative_draft_model_path:
         _fail("--speculative-draft-model-path", "the Medusa heads directory", None,
               "pass --speculative-draft-model-path MEDUSA_HEADS_DIR")
     num_heads, section = read_head_section(cfg.speculative_draft_model_path)
-    shape = os.environ.get(TREE_ENV, "optimal").strip() or "optimal"
+    shape = environ.get(TREE_ENV, "optimal").strip() or "optimal"
     choices = None if shape in TREE_SHAPES else parse_choices(shape)
     if choices is not None and max(len(c) for c in choices) > num_heads:
         _fail(TREE_ENV, f"choices no deeper than the number of heads ({num_heads})",
@@ -157,4 +171,5 @@ def settings_from_server_args(cfg) -> MedusaSettings:
         tree=_tree_config(cfg, section, num_heads, "chain" if shape == "chain" else "optimal"),
         choices=choices, verification=verification, typical_epsilon=eps, typical_delta=delta,
         head_accuracies=None if accuracies is None else tuple(tuple(map(float, r)) for r in accuracies),
+        adaptive=adaptive_flag({**section, "adaptive": section.get("adaptive", False) or bool(adaptive_arg)}, environ),
     )

@@ -23,11 +23,12 @@ def validate_server_args(server_args) -> None:
     from specplug.sglang_medusa.settings import settings_from_server_args
 
     cfg = resolving_view(server_args)
-    settings = settings_from_server_args(cfg)
+    settings = settings_from_server_args(cfg, adaptive_arg=bool(getattr(server_args, "speculative_adaptive", False)))
     _check_backend(cfg)
     _check_heads_against_target(settings.heads_path, cfg.model_path)
-    logger.info("MEDUSA: heads %s, tree %s, %d nodes, %s verification", settings.heads_path,
-                settings.choices or settings.tree, settings.num_nodes, settings.verification)
+    logger.info("MEDUSA: heads %s, tree %s, %d nodes, %s verification%s", settings.heads_path,
+                settings.choices or settings.tree, settings.num_nodes, settings.verification,
+                ", adaptive speculation (specplug)" if settings.adaptive else "")
 
 
 def _check_backend(cfg) -> None:

@@ -16,18 +16,30 @@ last committed token, whose KV is not yet in the cache):
    hidden state of the last accepted node for the next step.
 
 Prefill (extend) batches run the plain target forward capturing the LAST hidden state.
+
+Adaptive speculation (settings.adaptive): before each decode step
+specplug.common.adaptive.AdaptiveController picks a tree from a family of budgets (the
+optimal sparse trees for the heads' accuracies, or chains of 1..depth) or none, from
+verify-pass timings by tokens in the batch, heads timings by batch, and the verify
+results. SGLang reserves KV slots for the full tree every step; a smaller tree uses the
+first n of them (the rest are freed as rejected drafts are), and "none" verifies the
+root alone (n = 1, no heads pass): an ordinary decode step through the verify path.
+Outputs are padded to the full tree's width, which SGLang's bookkeeping expects.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import time
 
 import torch
 
 from specplug.common import sampling
-from specplug.common.drafters import MedusaDrafter
+from specplug.common.adaptive import AdaptiveController, pinned_costs, tree_option
+from specplug.common.drafters import MedusaDrafter, prior_accuracies
 from specplug.common.metrics import AcceptanceStats
-from specplug.common.tree import DraftTree, TreeBatch
+from specplug.common.tree import DraftTree, TreeBatch, TreeConfig
 from specplug.sglang_medusa.settings import MedusaSettings, settings_from_server_args
 
 logger = logging.getLogger(__name__)
@@ -56,7 +68,8 @@ class MedusaWorker(BaseSpecWorker):
         self.model_runner = target_worker.model_runner
         self.device = self.model_runner.device
         cfg = resolving_view(server_args)  # server_args plus what resolution declared
-        self.settings: MedusaSettings = settings_from_server_args(cfg)
+        self.settings: MedusaSettings = settings_from_server_args(
+            cfg, adaptive_arg=bool(getattr(server_args, "speculative_adaptive", False)))
         self.drafter = MedusaDrafter(self._load_heads(), choices=self.settings.choices,
                                      head_accuracies=self.settings.head_accuracies)
         self.template: DraftTree = self.drafter.template(self.settings.tree)
@@ -68,7 +81,11 @@ class MedusaWorker(BaseSpecWorker):
                 "unset or give the tree's node count")
         self.stats = AcceptanceStats()  # this worker's verify steps, all requests
         self.generator = torch.Generator(device="cpu").manual_seed(int(server_args.random_seed or 0))
-        self._layout = self._tree_layout()
+        self._layout = self._tree_layout(self.template)
+        self.adaptive: AdaptiveController | None = None
+        self._budgets: dict = {}  # SpecOption -> (TreeConfig, layout)
+        if self.settings.adaptive:
+            self._start_adaptive()
         logger.info("MEDUSA worker: %d heads, %d-node tree (depth %d), %s verification", self.drafter.heads.num_heads,
                     self.num_nodes, self.template.max_depth, self.settings.verification)
 
@@ -81,12 +98,28 @@ class MedusaWorker(BaseSpecWorker):
         return load_head_module(self.settings.heads_path, target_config=self.server_args.model_path,
                                 device=self.device, dtype=dtype).eval()
 
-    def _tree_layout(self) -> dict[str, torch.Tensor]:
-        """The static tree's mask, depths and SGLang retrieve links (one request)."""
-        _, next_token, next_sibling = self.template.sglang_layout()
-        return {"mask": self.template.attention_mask().to(self.device),  # Bool [N, N]
-                "depth": self.template.depth.to(self.device),  # Long [N]
+    def _tree_layout(self, template: DraftTree) -> dict[str, torch.Tensor]:
+        """A static tree's mask, depths and SGLang retrieve links (one request)."""
+        _, next_token, next_sibling = template.sglang_layout()
+        return {"mask": template.attention_mask().to(self.device),  # Bool [N, N]
+                "depth": template.depth.to(self.device),  # Long [N]
                 "next_token": next_token.to(self.device), "next_sibling": next_sibling.to(self.device)}
+
+    def _start_adaptive(self) -> None:
+        """The controller over this worker's budget family (see budget_configs)."""
+        accuracies = self.settings.head_accuracies
+        if accuracies is None:
+            accuracies = prior_accuracies(self.drafter.heads.num_heads, self.settings.tree.topk)
+        for config in budget_configs(self.settings):
+            template = self.drafter.template(config)
+            self._budgets[tree_option(template, accuracies)] = (config, self._tree_layout(template))
+        self.adaptive = AdaptiveController(list(self._budgets))
+        self.adaptive.costs_override = pinned_costs(os.environ)
+        self._root_only = self._tree_layout(DraftTree(torch.zeros(1, dtype=torch.long), torch.tensor([-1])))
+        logger.info("MEDUSA adaptive speculation on: each step verifies one of the trees with %s draft nodes, "
+                    "or none, as specplug.common.adaptive chooses from costs measured in this engine%s",
+                    [o.nodes for o in self.adaptive.options],
+                    " (cost curves pinned by SPECPLUG_ADAPTIVE_COSTS)" if self.adaptive.costs_override else "")
 
     @property
     def draft_worker(self):
@@ -128,12 +161,18 @@ class MedusaWorker(BaseSpecWorker):
     def _decode_step(self, batch, on_publish, pp_proxy_tensors):
         if batch.has_grammar:
             raise NotImplementedError("MEDUSA does not support structured output (grammar) requests yet")
-        tree = self._draft(batch)
-        self._prepare_verify(batch, tree)
+        option = None if self.adaptive is None else self.adaptive.choose(len(batch.reqs))
+        tree, layout = self._draft(batch, option)
+        self._prepare_verify(batch, tree, layout)
+        started = time.perf_counter()
         result = self.target_worker.forward_batch_generation(
             batch, pp_proxy_tensors=pp_proxy_tensors, is_verify=True, capture_hidden_mode=CaptureHiddenMode.FULL)
+        if self.adaptive is not None:
+            self.adaptive.verify_timed(tree.candidates.numel(), self._elapsed(started))
         logits_output = result.logits_output
         verdict = self._accept(batch, tree, logits_output.next_token_logits)
+        if option is not None:
+            self.adaptive.accepted(option, verdict.num_accepted)
         accept_index, predict, accept_tokens = self._sglang_outputs(tree, verdict)
         accept_lens = (verdict.num_accepted + 1).to(torch.int32)
         move_accept_tokens_to_target_kvcache(batch, accept_index, verdict.num_accepted.to(torch.int32),
@@ -148,7 +187,23 @@ class MedusaWorker(BaseSpecWorker):
         if on_publish is not None:
             on_publish(new_seq_lens)
         batch.forward_mode = ForwardMode.DECODE
+        accept_tokens = self._full_width(accept_tokens)
         return self._result(result, accept_tokens.flatten(), accept_tokens.flatten(), accept_lens, new_seq_lens)
+
+    def _elapsed(self, started: float) -> float:
+        """Seconds since `started`, after the device has finished its queued work."""
+        if str(self.device).startswith("cuda"):
+            torch.cuda.synchronize()
+        return time.perf_counter() - started
+
+    def _full_width(self, accept_tokens: torch.Tensor) -> torch.Tensor:
+        """[B, n] -> [B, num_nodes]: SGLang reads accepted tokens with the full tree's stride."""
+        bs, n = accept_tokens.shape
+        if n == self.num_nodes:
+            return accept_tokens
+        padded = accept_tokens.new_zeros(bs, self.num_nodes)
+        padded[:, :n] = accept_tokens
+        return padded
 
     def _result(self, target_result, next_token_ids, accept_tokens, accept_lens, new_seq_lens):
         next_draft_input = NgramVerifyInput(draft_token_num=self.num_nodes, new_seq_lens=new_seq_lens,
@@ -161,19 +216,29 @@ class MedusaWorker(BaseSpecWorker):
 
     # ------------------------------------------------------------------ the four phases
 
-    def _draft(self, batch) -> TreeBatch:
-        """Candidates [B, N] from the heads; the root is the request's last committed token."""
+    def _draft(self, batch, option=None) -> tuple[TreeBatch, dict]:
+        """(candidates [B, N] from the heads, the tree's layout); the root is the request's
+        last committed token. Adaptive steps draft `option`'s tree, or (None) the root
+        alone without running the heads."""
         rids = [req.rid for req in batch.reqs]
-        tree = self.drafter.draft(rids, self.settings.tree)
         roots = torch.tensor([req.output_ids[-1] for req in batch.reqs], dtype=torch.long)
+        if self.adaptive is not None and option is None:
+            bs = len(rids)
+            return TreeBatch(roots[:, None].to(self.device), torch.full((bs, 1), -1, device=self.device),
+                             torch.ones(bs, dtype=torch.long)), self._root_only
+        config, layout = (self.settings.tree, self._layout) if option is None else self._budgets[option]
+        started = time.perf_counter()
+        tree = self.drafter.draft(rids, config)
+        if option is not None:
+            self.adaptive.draft_timed(len(rids), option, self._elapsed(started))
         tree.candidates[:, 0] = roots.to(tree.candidates.device)
-        return TreeBatch(tree.candidates.to(self.device), tree.parents.to(self.device), tree.num_nodes)
+        return TreeBatch(tree.candidates.to(self.device), tree.parents.to(self.device), tree.num_nodes), layout
 
-    def _prepare_verify(self, batch, tree: TreeBatch) -> None:
+    def _prepare_verify(self, batch, tree: TreeBatch, layout: dict) -> None:
         """Turn the decode batch into a TARGET_VERIFY batch over the B*N tree nodes."""
         bs, n = tree.candidates.shape
         seq_lens = batch.seq_lens
-        positions = (seq_lens[:, None].long() + self._layout["depth"][None, :]).flatten()  # [B*N]
+        positions = (seq_lens[:, None].long() + layout["depth"][None, :]).flatten()  # [B*N]
         retrieve_index = torch.arange(bs * n, device=self.device).view(bs, n)
         batch.forward_mode = ForwardMode.TARGET_VERIFY
         batch.input_ids = tree.candidates.flatten()
@@ -182,10 +247,10 @@ class MedusaWorker(BaseSpecWorker):
             start_offset=seq_lens, end_offset=seq_lens + n, batch_size=bs, draft_token_num=n,
             device=self.device)
         batch.spec_info = NgramVerifyInput(
-            draft_token=batch.input_ids, custom_mask=self._layout["mask"].flatten().repeat(bs),
+            draft_token=batch.input_ids, custom_mask=layout["mask"].flatten().repeat(bs),
             positions=positions, retrieve_index=retrieve_index,
-            retrieve_next_token=self._layout["next_token"].expand(bs, n).contiguous(),
-            retrieve_next_sibling=self._layout["next_sibling"].expand(bs, n).contiguous(),
+            retrieve_next_token=layout["next_token"].expand(bs, n).contiguous(),
+            retrieve_next_sibling=layout["next_sibling"].expand(bs, n).contiguous(),
             draft_token_num=n)
 
     def _accept(self, batch, tree: TreeBatch, logits: torch.Tensor) -> sampling.VerifyResult:
@@ -222,7 +287,7 @@ class MedusaWorker(BaseSpecWorker):
         accept_index[:, :width] = torch.where(on_path, rows + path, -1).to(torch.int32)
         # token after path[j] is the token AT path[j + 1]; after the last accepted, the bonus
         following = torch.gather(tree.candidates, 1, path[:, 1:].clamp(min=0))  # [B, D]
-        emitted = torch.cat([following, torch.zeros_like(following[:, :1])], 1)
+        emitted = torch.cat([following, following.new_zeros(bs, 1)], 1)  # [B, D+1]
         last = verdict.num_accepted.to(self.device).long()
         emitted[torch.arange(bs, device=self.device), last] = verdict.bonus_token.to(self.device)
         emitted = torch.where(on_path, emitted, 0)
@@ -242,6 +307,21 @@ class MedusaWorker(BaseSpecWorker):
                            for b in range(bs)]
         self.drafter.commit([req.rid for req in batch.reqs], accepted_tokens, hidden[rows][:, None],
                             verdict.bonus_token)
+
+
+def budget_configs(settings: MedusaSettings) -> list[TreeConfig]:
+    """The trees adaptive speculation chooses among (each as the TreeConfig the drafter
+    builds it from), smallest first, up to the configured tree: chains of 1..depth for a
+    chain; budgets 1, 2, 4, 8, ... and the full budget for optimal sparse trees; explicit
+    choices offer only themselves."""
+    tree = settings.tree
+    if settings.choices is not None:
+        return [tree]
+    if tree.topk == 1:
+        return [TreeConfig(depth=d, topk=1, budget=d) for d in range(1, tree.depth + 1)]
+    full = settings.num_nodes - 1
+    budgets = sorted({b for b in (2 ** i for i in range(full.bit_length())) if b < full} | {full})
+    return [TreeConfig(depth=tree.depth, topk=tree.topk, budget=b) for b in budgets]
 
 
 def _apply_min_p(p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
