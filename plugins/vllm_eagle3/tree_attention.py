@@ -12,6 +12,7 @@ ancestors and itself. Prefill rows, chain drafts and plain decode keep vLLM's ke
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -30,6 +31,38 @@ class TreeRows:
     rows: torch.Tensor  # Long [R] nodes whose mask differs from the chain's (recomputed)
 
 
+class PaddedTrees(NamedTuple):
+    """Every tree of a step, padded to T trees x S keys x R recomputed rows; built once
+    per step (and attention metadata group), shared by all layers."""
+
+    slots: torch.Tensor  # Long [T * S] cache slot of each key (padding: the tree's slot 0)
+    mask: torch.Tensor  # Bool [T, 1, R, S] row r may attend to key s
+    rows: torch.Tensor  # Long [T, R] token row of each recomputed query (padding: the root's)
+    valid: torch.Tensor  # Bool [T, R] real (not padding) recomputed rows
+
+
+def pad_trees(trees: list[TreeRows], attn_metadata, block_size: int) -> PaddedTrees:
+    """Pad the step's trees (those with rows to recompute) into one PaddedTrees."""
+    seq_lens = [int(attn_metadata.seq_lens[t.batch_row]) for t in trees]
+    width, height = max(seq_lens), max(len(t.rows) for t in trees)
+    positions = torch.arange(width)
+    slots, mask = [], torch.zeros(len(trees), 1, height, width, dtype=torch.bool)
+    rows = torch.zeros(len(trees), height, dtype=torch.long)
+    valid = torch.zeros(len(trees), height, dtype=torch.bool)
+    for i, (tree, seq_len) in enumerate(zip(trees, seq_lens)):
+        pos = positions.clamp(max=seq_len - 1)
+        slots.append(attn_metadata.block_table[tree.batch_row, pos // block_size].long() * block_size
+                     + pos % block_size)
+        n, context = len(tree.rows), seq_len - tree.mask.shape[0]  # context: positions before the root
+        mask[i, 0, :n, :context] = True
+        mask[i, 0, :n, context:seq_len] = tree.mask[tree.rows]
+        mask[i, 0, n:, 0] = True  # padding rows attend to one key (no NaN), never written
+        rows[i] = tree.root_row
+        rows[i, :n] = tree.root_row + tree.rows
+        valid[i, :n] = True
+    return PaddedTrees(torch.cat(slots), mask, rows, valid)
+
+
 class TreeCPUAttentionImpl(CPUAttentionBackendImpl):
     """vLLM's CPU attention, plus an ancestor-masked recomputation of tree rows."""
 
@@ -37,32 +70,27 @@ class TreeCPUAttentionImpl(CPUAttentionBackendImpl):
                 output_scale=None, output_block_scale=None):
         output = super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
                                  output_scale, output_block_scale)
-        trees = getattr(attn_metadata, "specplug_tree", None)
+        trees = [t for t in getattr(attn_metadata, "specplug_tree", None) or () if t.rows.numel()]
         if trees:
-            for tree in trees:
-                if tree.rows.numel():
-                    self._tree_rows(tree, query, kv_cache, attn_metadata, output)
+            batch = getattr(attn_metadata, "specplug_padded_trees", None)
+            if batch is None:  # first layer of the step: pad once, reuse in every layer
+                batch = pad_trees(trees, attn_metadata, kv_cache.shape[2])
+                attn_metadata.specplug_padded_trees = batch
+            self._tree_rows(batch, query, kv_cache, output)
         return output
 
-    def _tree_rows(self, tree: TreeRows, query, kv_cache, attn_metadata, output) -> None:
-        """Overwrite output rows of `tree.rows` (query [T, heads, D], output [T, heads * D]
-        or [T, heads, D]) with attention over context + ancestors."""
-        nodes = tree.mask.shape[0]
-        seq_len = int(attn_metadata.seq_lens[tree.batch_row])
-        context = seq_len - nodes  # positions before the root
-        block_size = kv_cache.shape[2]
-        positions = torch.arange(seq_len)
-        slots = attn_metadata.block_table[tree.batch_row, positions // block_size].long() * block_size \
-            + positions % block_size
-        keys, values = paged_kv.gather(kv_cache, slots)  # [S, kv_heads, D]
-        mask = torch.cat([tree.mask.new_ones(len(tree.rows), context), tree.mask[tree.rows]], dim=1)  # [R, S]
-        rows = tree.root_row + tree.rows
-        q = query[rows].transpose(0, 1)  # [heads, R, D]
-        out = F.scaled_dot_product_attention(
-            q, keys.transpose(0, 1).to(q.dtype), values.transpose(0, 1).to(q.dtype),
-            attn_mask=mask[None], scale=self.scale, enable_gqa=True,
-        )  # [heads, R, D]
-        output.view(output.shape[0], -1)[rows] = out.transpose(0, 1).reshape(len(rows), -1).to(output.dtype)
+    def _tree_rows(self, batch: PaddedTrees, query, kv_cache, output) -> None:
+        """Overwrite the recomputed rows of output ([T, heads * D] or [T, heads, D]) with
+        attention of query ([T, heads, D]) over context + ancestors (SDPA, GQA)."""
+        trees, height = batch.rows.shape
+        keys, values = paged_kv.gather(kv_cache, batch.slots)  # [T * S, kv_heads, D]
+        keys = keys.view(trees, -1, *keys.shape[1:]).transpose(1, 2).to(query.dtype)  # [T, kv_heads, S, D]
+        values = values.view(trees, -1, *values.shape[1:]).transpose(1, 2).to(query.dtype)
+        q = query[batch.rows.flatten()].view(trees, height, *query.shape[1:]).transpose(1, 2)  # [T, heads, R, D]
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=batch.mask, scale=self.scale,
+                                             enable_gqa=True)  # [T, heads, R, D]
+        out = out.transpose(1, 2)[batch.valid]  # [rows, heads, D]
+        output.view(output.shape[0], -1)[batch.rows[batch.valid]] = out.reshape(out.shape[0], -1).to(output.dtype)
 
 
 class TreeCPUAttentionBackend(CPUAttentionBackend):
