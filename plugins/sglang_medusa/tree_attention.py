@@ -43,13 +43,13 @@ def tree_sdpa(query, k_cache, v_cache, token_slots, mask, scaling, enable_gqa):
 
     query [n, heads, head_dim]; k_cache/v_cache [slots, kv_heads, head_dim];
     token_slots Long [seq_len + n] (KV slot of every visible position); mask Bool
-    [n, seq_len + n]. Returns [n, heads, head_dim].
+    [n, seq_len + n], or None when every node sees every position. Returns [n, heads, head_dim].
     """
     key = k_cache[token_slots].movedim(0, 1).to(query.dtype)  # [kv_heads, L, head_dim]
     value = v_cache[token_slots].movedim(0, 1).to(query.dtype)
     out = scaled_dot_product_attention(
         query.movedim(0, 1).unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0),
-        attn_mask=mask.unsqueeze(0).unsqueeze(0), scale=scaling, enable_gqa=enable_gqa,
+        attn_mask=None if mask is None else mask.unsqueeze(0).unsqueeze(0), scale=scaling, enable_gqa=enable_gqa,
     )  # [1, heads, n, head_dim]
     return out.squeeze(0).movedim(1, 0)
 
@@ -75,7 +75,8 @@ def forward_extend_tree(original, backend, q, k, v, layer, forward_batch, save_k
     k_cache = backend.token_to_kv_pool.get_key_buffer(layer.layer_id)
     v_cache = backend.token_to_kv_pool.get_value_buffer(layer.layer_id)
     req_to_token = backend.req_to_token_pool.req_to_token
-    masks = request_masks(spec_info.custom_mask, seq_lens, n)
+    # a single node (a step verifying only the root) sees its whole prefix: no mask needed
+    masks = request_masks(spec_info.custom_mask, seq_lens, n) if n > 1 else [None] * len(seq_lens)
     for b, (req, seq_len) in enumerate(zip(forward_batch.req_pool_indices.tolist(), seq_lens)):
         slots = req_to_token[req, : seq_len + n].long()
         o[b * n:(b + 1) * n] = tree_sdpa(

@@ -55,6 +55,15 @@ def test_tree_sdpa_equals_per_path_attention(prefix_len):
     assert not torch.allclose(wrong, out, atol=1e-4)
 
 
+def test_root_only_step_needs_no_mask():
+    """A verify step of the root alone (adaptive speculation choosing none) runs unmasked:
+    the same as plain attention over prefix + root, i.e. a decode step's attention."""
+    torch.manual_seed(3)
+    keys, values, query = torch.randn(6, KV_HEADS, DIM), torch.randn(6, KV_HEADS, DIM), torch.randn(1, HEADS, DIM)
+    out = ta.tree_sdpa(query, keys, values, torch.arange(6), None, None, True)
+    torch.testing.assert_close(out, _path_attention(query, keys, values, 5, torch.tensor([0])), rtol=1e-5, atol=1e-6)
+
+
 def test_request_masks_reads_both_layouts():
     tree = _tree()
     n, seq_lens = tree.num_nodes, [3, 5]
