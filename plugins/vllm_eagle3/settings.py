@@ -56,7 +56,8 @@ class AdapterSettings:
                 "it verifies losslessly only; set \"verification\": \"lossless\" in the head's config.json"
             )
         if self.stage not in STAGES:
-            raise ValueError(f"specplug stage must be one of {STAGES}, got {self.stage!r}")
+            raise ValueError(f"specplug stage must be one of {STAGES}, got {self.stage!r}: set \"stage\" in the "
+                             f"head's specplug section or {ENV_STAGE_OVERRIDE} to \"chain\" or \"tree\"")
 
 
 def specplug_section(hf_config: Any) -> dict | None:

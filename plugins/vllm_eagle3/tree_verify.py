@@ -102,11 +102,12 @@ class TreeVerifier:
         """The step's TreeStep (or None: no request verifies a non-chain tree), and tree
         positions for its rows."""
         self.step, self._order = None, None
-        drafted, self._drafted = self._drafted, {}
-        if spec_metadata is None or not drafted:
+        if spec_metadata is None or not self._drafted:
             return
         num_reqs = len(spec_metadata.num_draft_tokens)
         req_ids = self.runner.input_batch.req_ids[:num_reqs]
+        drafted = {r: self._drafted.pop(r) for r in req_ids if r in self._drafted}  # consumed now
+        self._drafted = {r: d for r, d in self._drafted.items() if r in self.runner.requests}  # unscheduled, live
         ends = self.runner.query_start_loc.np[1:num_reqs + 1].tolist()
         drafts = spec_metadata.draft_token_ids.cpu().split(spec_metadata.num_draft_tokens)
         parents, root_rows, trees = [], [], []

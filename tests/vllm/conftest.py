@@ -15,7 +15,9 @@ import pytest
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+# Engines size their KV cache with kv_cache_memory_bytes (KV_CACHE_BYTES); vLLM-CPU's legacy
+# VLLM_CPU_KVCACHE_SPACE (whole GiB) would override it for every engine of the session.
+os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
 
 from tests.vllm.tiny_heads import (  # noqa: E402
     agreeing_head_dir,
@@ -27,6 +29,9 @@ from tests.vllm.tiny_heads import (  # noqa: E402
 SPECPLUG_TREE = {"version": 1, "method": "eagle3", "tree": {"topk": 3}, "verification": "lossless"}
 SPECPLUG_CHAIN = {"version": 1, "method": "eagle3", "tree": {"topk": 1}, "verification": "lossless"}
 NUM_SPEC_TOKENS = 3
+# Every engine of the session stays alive (see `engine`): 256 MiB of KV cache each (5k
+# tokens of the SmolLM2 test bed) keeps a few dozen engines within this machine's memory.
+KV_CACHE_BYTES = 256 << 20
 
 # Mixed prompt lengths (3 to ~60 tokens with the tiny tokenizer).
 PROMPTS = [
@@ -71,7 +76,8 @@ def _start(target: str, head: str | None, num_spec_tokens: int, overrides: tuple
         spec = {"per_request_spec_decode_metrics": "summary", "speculative_config": {
             "method": "eagle3", "model": head, "num_speculative_tokens": num_spec_tokens}}
     args = dict(model=target, dtype="float32", seed=0, max_model_len=512, enforce_eager=True,
-                distributed_executor_backend="uni", disable_log_stats=False, **spec)
+                distributed_executor_backend="uni", disable_log_stats=False,
+                kv_cache_memory_bytes=KV_CACHE_BYTES, **spec)
     return LLM(**{**args, **dict(overrides)})
 
 

@@ -15,8 +15,8 @@ pytest.importorskip("vllm", reason="needs the vLLM environment: bash scripts/tes
 
 import torch
 
-from specplug.vllm_eagle3.metrics import stats_from_outputs
 from tests.vllm.conftest import PROMPTS, drafter_of
+from tests.vllm.test_stage_a import check_seeded_sampling, params, run, token_ids
 from tests.vllm.tiny_heads import AGREE_TOKEN, agreeing_head_dir, tiny_head_dir, two_token_head_dir
 
 pytestmark = pytest.mark.vllm
@@ -24,21 +24,6 @@ pytestmark = pytest.mark.vllm
 TREE = {"depth": 3, "topk": 2, "budget": 6}
 SPECPLUG_STAGE_B = {"version": 1, "method": "eagle3", "tree": TREE, "verification": "lossless", "stage": "tree"}
 BUDGET = TREE["budget"]
-
-
-def params(**kw):
-    from vllm import SamplingParams
-    kw.setdefault("ignore_eos", True)
-    return SamplingParams(**kw)
-
-
-def token_ids(outputs):
-    return [list(o.outputs[0].token_ids) for o in outputs]
-
-
-def run(llm, prompts, sampling):
-    outputs = llm.generate(prompts, sampling, use_tqdm=False)
-    return token_ids(outputs), stats_from_outputs(outputs)
 
 
 @pytest.fixture(scope="session")
@@ -209,14 +194,7 @@ def test_broken_tree_verification_changes_greedy_output(oracle_engine, breakage)
 
 # --- sampling (T > 0) ----------------------------------------------------------------------
 def test_seeded_sampling_is_reproducible_and_batch_independent(tree_engine):
-    seeded = params(max_tokens=24, temperature=0.8, seed=1234)
-    alone = token_ids(tree_engine.generate([PROMPTS[2]], seeded, use_tqdm=False))[0]
-    assert token_ids(tree_engine.generate([PROMPTS[2]], seeded, use_tqdm=False))[0] == alone
-    others = [params(max_tokens=24, temperature=0.8, seed=s) for s in (1, 2, 3)]
-    batch = token_ids(tree_engine.generate(PROMPTS[:3] + [PROMPTS[2]], others + [seeded], use_tqdm=False))
-    assert batch[3] == alone
-    assert token_ids(tree_engine.generate([PROMPTS[2]], params(max_tokens=24, temperature=0.8, seed=99),
-                                          use_tqdm=False))[0] != alone
+    check_seeded_sampling(tree_engine)
 
 
 # The constant target draws i.i.d. tokens from a fixed p (CONSTANT_TARGET_LOGITS plus a
@@ -303,11 +281,14 @@ def test_budget_and_num_speculative_tokens_disagree_at_start(target, tree_head):
             speculative_config={"method": "eagle3", "model": str(tree_head), "num_speculative_tokens": 3})
 
 
-def test_bench_runs_stage_b_as_specplug_tree(target, tree_head):
+def test_bench_runs_stage_b_as_specplug_tree(target, tree_head, monkeypatch):
     import json
     from pathlib import Path
 
     from specplug.vllm_eagle3.bench_runner import VllmRunner
+
+    # the runner sets VLLM_CPU_KVCACHE_SPACE if absent; the session's later engines must not inherit it
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
 
     runner = VllmRunner(str(target), str(tree_head), max_new_tokens=8, temperature=0.0, seed=0, max_batch=1)
     assert runner.methods()[-2:] == ["specplug", "specplug-tree"]
