@@ -55,9 +55,10 @@ def strip_specplug_section(head: str) -> str:
 
 
 def adaptive_head(head: str) -> str:
-    """A folder with the same weights whose `specplug` section says `"adaptive": true`."""
+    """A folder with the same weights whose `specplug` section says `"adaptive": true` (on
+    stage "chain": adaptive speculation chooses chain depths)."""
     return _head_copy(head, "specplug-adaptive-head-",
-                      lambda config: config.setdefault("specplug", {}).update(adaptive=True))
+                      lambda config: config.setdefault("specplug", {}).update(adaptive=True, stage="chain"))
 
 
 def staged_head(head: str, stage: str) -> str:
@@ -106,7 +107,7 @@ class VllmRunner:
         self._method, self._llm = None, None
 
     def methods(self) -> list[str]:
-        return ["none", "ngram"] + (["eagle3", "specplug", "specplug-tree"] if self.head else [])
+        return ["none", "ngram"] + (["eagle3", "specplug", "specplug-tree", "specplug-adaptive"] if self.head else [])
 
     def speculative_config(self, method: str) -> dict | None:
         if method == "none":
@@ -122,6 +123,8 @@ class VllmRunner:
         if method == "specplug":
             head = adaptive_head(self.head) if self.adaptive else staged_head(self.head, "chain")
             return {"method": "eagle3", "model": head, "num_speculative_tokens": tree.depth}
+        if method == "specplug-adaptive":
+            return {"method": "eagle3", "model": adaptive_head(self.head), "num_speculative_tokens": tree.depth}
         if method == "specplug-tree":
             return {"method": "eagle3", "model": staged_head(self.head, "tree"),
                     "num_speculative_tokens": tree.budget}

@@ -18,12 +18,12 @@ import os
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from specplug.common.adaptive import ENV_ADAPTIVE as ENV_ADAPTIVE_OVERRIDE
+from specplug.common.adaptive import adaptive_flag
 from specplug.common.tree import TreeConfig
 
 ENV_TREE_OVERRIDE = "SPECPLUG_TREE"
-ENV_ADAPTIVE_OVERRIDE = "SPECPLUG_ADAPTIVE"
 ENV_STAGE_OVERRIDE = "SPECPLUG_STAGE"
-_BOOLS = {"1": True, "true": True, "yes": True, "0": False, "false": False, "no": False}
 STAGES = ("chain", "tree")
 
 
@@ -90,7 +90,7 @@ def adapter_settings(section: Mapping[str, Any], environ: Mapping[str, str] = os
         tree=TreeConfig.from_dict(tree),
         verification=section.get("verification", "lossless"),
         stage=environ.get(ENV_STAGE_OVERRIDE) or section.get("stage", "chain"),
-        adaptive=_adaptive_flag(section, environ),
+        adaptive=adaptive_flag(section, environ),
     )
 
 
@@ -112,20 +112,6 @@ def check_num_speculative_tokens(settings: AdapterSettings, num_speculative_toke
             f"\"num_speculative_tokens\": {budget} in vLLM's speculative_config (or change the head's "
             f"tree budget, e.g. {ENV_TREE_OVERRIDE}='{{\"budget\": {num_speculative_tokens}}}')"
         )
-
-
-def _adaptive_flag(section: Mapping[str, Any], environ: Mapping[str, str]) -> bool:
-    """The section's "adaptive" (default False), overridden by SPECPLUG_ADAPTIVE."""
-    value = section.get("adaptive", False)
-    if not isinstance(value, bool):
-        raise TypeError(f"specplug \"adaptive\" in config.json must be true or false, got {value!r}")
-    override = environ.get(ENV_ADAPTIVE_OVERRIDE)
-    if override is None or override == "":
-        return value
-    if override.lower() not in _BOOLS:
-        raise ValueError(f"{ENV_ADAPTIVE_OVERRIDE} must be 1/true/yes or 0/false/no, got {override!r}: "
-                         f"set it to 1 to turn adaptive speculation on, 0 to turn it off")
-    return _BOOLS[override.lower()]
 
 
 def check_head_matches_target(head_dir: str, target_config: Any) -> None:

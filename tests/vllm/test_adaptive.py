@@ -151,7 +151,7 @@ def test_bench_adaptive_head_copy_says_adaptive(specplug_head):
 
     copy = Path(adaptive_head(str(specplug_head)))
     section = json.loads((copy / "config.json").read_text())["specplug"]
-    assert section == {**SPECPLUG_TREE, "adaptive": True}
+    assert section == {**SPECPLUG_TREE, "adaptive": True, "stage": "chain"}  # adaptive chooses chain depths
     assert adapter_settings(section, environ={}).adaptive
 
 

@@ -291,8 +291,11 @@ def test_bench_runs_stage_b_as_specplug_tree(target, tree_head, monkeypatch):
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
 
     runner = VllmRunner(str(target), str(tree_head), max_new_tokens=8, temperature=0.0, seed=0, max_batch=1)
-    assert runner.methods()[-2:] == ["specplug", "specplug-tree"]
-    for method, stage, tokens in (("specplug", "chain", TREE["depth"]), ("specplug-tree", "tree", BUDGET)):
+    assert runner.methods()[-3:] == ["specplug", "specplug-tree", "specplug-adaptive"]
+    for method, stage, tokens, adaptive in (("specplug", "chain", TREE["depth"], False),
+                                            ("specplug-tree", "tree", BUDGET, False),
+                                            ("specplug-adaptive", "chain", TREE["depth"], True)):
         config = runner.speculative_config(method)
         assert config["num_speculative_tokens"] == tokens
-        assert json.loads((Path(config["model"]) / "config.json").read_text())["specplug"]["stage"] == stage
+        section = json.loads((Path(config["model"]) / "config.json").read_text())["specplug"]
+        assert section["stage"] == stage and section.get("adaptive", False) == adaptive
