@@ -90,10 +90,7 @@ def _stack_parents(parents: list[torch.Tensor], width: int) -> torch.Tensor:
 
 def _padded_output(result, candidates: torch.Tensor) -> torch.Tensor:
     """Emitted tokens Int [B, N] (N = max drafts + 1): accepted path then bonus, -1 padded."""
-    if candidates.shape[1] == 1:  # no request has drafts this step (output_tokens needs D >= 1)
-        tokens = result.bonus_token[:, None]
-    else:
-        tokens = result.output_tokens(candidates)  # [B, D + 1], D = deepest path
+    tokens = result.output_tokens(candidates)  # [B, D + 1], D = deepest path (0: no drafts this step)
     pad = tokens.new_full((tokens.shape[0], candidates.shape[1] - tokens.shape[1]), -1)
     return torch.cat([tokens, pad], dim=1).to(torch.int32)
 
