@@ -285,12 +285,9 @@ class MedusaWorker(BaseSpecWorker):
         rows = torch.arange(bs, device=self.device)[:, None] * n
         accept_index = torch.full((bs, n), -1, dtype=torch.int32, device=self.device)
         accept_index[:, :width] = torch.where(on_path, rows + path, -1).to(torch.int32)
-        # token after path[j] is the token AT path[j + 1]; after the last accepted, the bonus
-        following = torch.gather(tree.candidates, 1, path[:, 1:].clamp(min=0))  # [B, D]
-        emitted = torch.cat([following, following.new_zeros(bs, 1)], 1)  # [B, D+1]
-        last = verdict.num_accepted.to(self.device).long()
-        emitted[torch.arange(bs, device=self.device), last] = verdict.bonus_token.to(self.device)
-        emitted = torch.where(on_path, emitted, 0)
+        # token after path[j]: the token AT path[j + 1]; after the last accepted, the bonus
+        emitted = verdict.output_tokens(tree.candidates.to(verdict.accepted_nodes.device))  # [B, D+1], -1 padded
+        emitted = torch.where(on_path, emitted.to(self.device), 0)
         accept_tokens = torch.zeros(bs, n, dtype=torch.int32, device=self.device)
         accept_tokens[:, :width] = emitted.to(torch.int32)
         predict = torch.zeros(bs * n, dtype=torch.int32, device=self.device)
