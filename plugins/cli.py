@@ -17,6 +17,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "convert": ("specplug.common.convert", "convert draft heads between checkpoint formats"),
     "train": ("specplug.common.train", "train EAGLE-3 or Medusa heads for a Hugging Face causal LM"),
     "bench": ("specplug.bench", "measure speed-up and acceptance against the engine without speculation"),
+    "serve": ("specplug.vllm_eagle3.serve",
+              "start vLLM's OpenAI server (`vllm serve ARGS`), also on vLLM's CPU build where `vllm serve` fails"),
     "demo": ("specplug.vllm_eagle3.demo",
              "run vLLM with and without the specplug EAGLE-3 head on the test bed; print speed-up and acceptance"),
 }

@@ -128,22 +128,29 @@ def _per_row(value, like: torch.Tensor, dtype) -> torch.Tensor:
     return t.view(-1, *([1] * (like.dim() - 1)))
 
 
-def process_logits(logits: torch.Tensor, temperature=1.0, top_k=0, top_p=1.0) -> torch.Tensor:
+def process_logits(logits: torch.Tensor, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0) -> torch.Tensor:
     """Target logits [R, ..., V] -> probabilities p (float32), the ONE place this happens.
 
-    temperature/top_k/top_p: scalars or per-request tensors [R]. Rows with
+    temperature/top_k/top_p/min_p: scalars or per-request tensors [R]. Rows with
     temperature 0 get a one-hot p at the argmax, so greedy and sampled requests share
     one "rejection" batch and the greedy rows behave exactly like greedy verify.
-    top-k keeps the k largest logits (ties by sort order); top-p then keeps the
-    smallest prefix of the sorted distribution whose mass reaches top_p.
+    Order as vLLM's sampler: temperature, then min-p drops tokens whose probability is
+    below min_p x the row's largest, then top-k keeps the k largest logits (ties by
+    sort order), then top-p keeps the smallest prefix of the sorted distribution whose
+    mass reaches top_p. Penalties, bans and bias come before, in request_rules.
     """
     temp = _per_row(temperature, logits, torch.float32)
     k = _per_row(top_k, logits, torch.long)
     top_p = _per_row(top_p, logits, torch.float32)
-    if bool((temp < 0).any()) or bool((top_p <= 0).any()) or bool((top_p > 1).any()):
-        raise ValueError("temperature must be >= 0 and top_p in (0, 1]: check the request's sampling settings")
+    min_p = _per_row(min_p, logits, torch.float32)
+    if bool((temp < 0).any()) or bool((top_p <= 0).any()) or bool((top_p > 1).any()) \
+            or bool((min_p < 0).any()) or bool((min_p > 1).any()):
+        raise ValueError("temperature must be >= 0, top_p in (0, 1] and min_p in [0, 1]: "
+                         "check the request's sampling settings")
     vocab = logits.shape[-1]
     x = logits.float() / torch.where(temp > 0, temp, torch.ones_like(temp))
+    if bool((min_p > 0).any()):
+        x = _filter_min_p(x, min_p)
     use_k = (k > 0) & (k < vocab)
     use_p = top_p < 1.0
     if bool(use_k.any()) or bool(use_p.any()):
@@ -154,6 +161,12 @@ def process_logits(logits: torch.Tensor, temperature=1.0, top_k=0, top_p=1.0) ->
         onehot = torch.zeros_like(probs).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
         probs = torch.where(greedy, onehot, probs)
     return probs
+
+
+def _filter_min_p(x: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Set logits whose probability is below min_p x the row's largest to -inf."""
+    probs = torch.softmax(x, dim=-1)
+    return x.masked_fill(probs < min_p * probs.amax(-1, keepdim=True), float("-inf"))
 
 
 def _filter_top_k_top_p(x: torch.Tensor, k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

@@ -258,8 +258,10 @@ class MedusaWorker(BaseSpecWorker):
         bs, n = tree.candidates.shape
         info = batch.sampling_info
         logits = _apply_penalties(logits, info, n)
+        parents, num_nodes = _root_only(tree.parents, _path_dependent(batch))
         if info.is_all_greedy:
-            verdict = sampling.verify(tree.candidates, tree.parents, logits.view(bs, n, -1), method="greedy")
+            verdict = sampling.verify(tree.candidates, parents, logits.view(bs, n, -1), method="greedy",
+                                      num_nodes=num_nodes)
         else:
             p = sampling.process_logits(
                 logits, temperature=info.temperatures.view(-1).repeat_interleave(n),
@@ -267,7 +269,7 @@ class MedusaWorker(BaseSpecWorker):
             if info.need_min_p_sampling:
                 p = _apply_min_p(p, info.min_ps.view(-1).repeat_interleave(n))
             verdict = sampling.verify(
-                tree.candidates, tree.parents, p.view(bs, n, -1), method=self.settings.method,
+                tree.candidates, parents, p.view(bs, n, -1), method=self.settings.method, num_nodes=num_nodes,
                 generators=[self.generator] * bs, typical_epsilon=self.settings.typical_epsilon,
                 typical_delta=self.settings.typical_delta)
         self.stats.update(verdict.num_accepted, torch.full((bs,), n - 1))
@@ -319,6 +321,28 @@ def budget_configs(settings: MedusaSettings) -> list[TreeConfig]:
     full = settings.num_nodes - 1
     budgets = sorted({b for b in (2 ** i for i in range(full.bit_length())) if b < full} | {full})
     return [TreeConfig(depth=tree.depth, topk=tree.topk, budget=b) for b in budgets]
+
+
+def _path_dependent(batch) -> torch.Tensor:
+    """Bool [B]: requests with presence / frequency / repetition penalties. SGLang keeps
+    them as one accumulated row per request (committed tokens only), which is right for
+    the root's row and wrong after drafted tokens, so these verify their root alone."""
+    return torch.tensor([
+        p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 or p.repetition_penalty != 1.0
+        for p in (req.sampling_params for req in batch.reqs)
+    ], dtype=torch.bool)
+
+
+def _root_only(parents: torch.Tensor, rows: torch.Tensor):
+    """parents Long [B, N] with the `rows` requests cut to their root; (parents, num_nodes
+    Long [B] or None when nobody is cut). The target still scored every node; the cut
+    requests emit one token, sampled from their root's row."""
+    if not bool(rows.any()):
+        return parents, None
+    rows = rows.to(parents.device)
+    cut = rows[:, None] & (torch.arange(parents.shape[1], device=parents.device) > 0)
+    num_nodes = torch.where(rows, 1, parents.shape[1]).cpu()
+    return torch.where(cut, -1, parents), num_nodes
 
 
 def _apply_min_p(p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:

