@@ -21,6 +21,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
               "start vLLM's OpenAI server (`vllm serve ARGS`), also on vLLM's CPU build where `vllm serve` fails"),
     "demo": ("specplug.vllm_eagle3.demo",
              "run vLLM with and without the specplug EAGLE-3 head on the test bed; print speed-up and acceptance"),
+    "datastore": ("specplug.common.retrieval.cli",
+                  "build or inspect a static datastore for the retrieval drafter (REST-style n-gram index)"),
 }
 
 

@@ -1,0 +1,68 @@
+"""Retrieval drafting settings: :class:`RetrievalConfig`, its ONE set of defaults and their checks."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+def _check_int(owner: str, name: str, value, low: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < low:
+        raise ValueError(f"{owner}.{name} must be an int >= {low}, got {value!r}: pass an int >= {low}")
+
+
+@dataclass(frozen=True)
+class RetrievalConfig:
+    """Retrieval drafting settings; the defaults here are the project's ONE set of defaults.
+
+    max_depth:       longest drafted path (continuation tokens after the root).
+    budget:          draft nodes kept, root excluded. Small by default: on the 2-core
+                     CPU a verify pass costs ~30 ms + 2.7 ms per node, so a node pays
+                     when its acceptance probability exceeds ~0.1 (hence ``min_prob``).
+    min_match:       shortest suffix pattern looked up (tokens).
+    max_match:       longest suffix pattern looked up; the longest one found wins.
+    max_occurrences: occurrences of the matched pattern gathered (own most recent
+                     first, then the cache's, then the datastore's): the sample size
+                     of the probabilities.
+    cache_requests:  finished requests' sequences kept for later requests (0 = off).
+                     Memory (n = 1..8, measured): ~300 bytes per cached token, ~500
+                     per live token.
+    min_count:       a node needs at least this many supporting occurrences.
+    min_prob:        a node needs at least this score (estimated acceptance).
+    prior:           pseudo-count of a 1-token match; an n-token match uses prior / n.
+                     A node's score is the product along its path of
+                     count(child) / (count(parent) + prior / n). 0 gives the raw share
+                     of occurrences, which over-trusts few occurrences (one scores 1 at
+                     every depth). Measured on 198 held-out ShareGPT replies (SmolLM2
+                     tokenizer, a 1000-conversation datastore): a lone occurrence's
+                     next token was accepted 0.25 / 0.30 / 0.33 / 0.42 / 0.70 of the
+                     time after a 1 / 2 / 3 / 4-7 / 8-token match (prior 4 predicts
+                     0.20 / 0.33 / 0.43 / 0.50-0.64 / 0.67), and all nodes' scores
+                     were off their acceptance rate by 0.05 on average (raw: 0.10).
+    """
+
+    max_depth: int = 8
+    budget: int = 8
+    min_match: int = 1
+    max_match: int = 8
+    max_occurrences: int = 32
+    cache_requests: int = 256
+    min_count: int = 1
+    min_prob: float = 0.1
+    prior: float = 4.0
+
+    def __post_init__(self) -> None:
+        for name in ("max_depth", "budget", "min_match", "max_match", "max_occurrences", "min_count"):
+            _check_int("RetrievalConfig", name, getattr(self, name), 1)
+        _check_int("RetrievalConfig", "cache_requests", self.cache_requests, 0)
+        if self.max_match < self.min_match:
+            raise ValueError(f"RetrievalConfig.max_match {self.max_match} < min_match {self.min_match}: "
+                             "pass max_match >= min_match")
+        if not 0.0 <= float(self.min_prob) <= 1.0:
+            raise ValueError(f"RetrievalConfig.min_prob must lie in [0, 1], got {self.min_prob!r}")
+        if not float(self.prior) >= 0.0:
+            raise ValueError(f"RetrievalConfig.prior must be >= 0, got {self.prior!r}: pass a pseudo-count >= 0")
+
+    @property
+    def levels(self) -> int:
+        """n-gram lengths indexed per position: max_match - min_match + 1."""
+        return self.max_match - self.min_match + 1

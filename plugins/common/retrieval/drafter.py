@@ -1,0 +1,243 @@
+"""The retrieval drafters: :class:`RetrievalDrafter` (per-request state, lookup, drafting) and
+:class:`ReferenceDrafter` (it behind the reference loop's Drafter protocol).
+
+The longest suffix of a request's tokens (``min_match`` to ``max_match`` tokens) that
+occurred before is looked up in the request's own tokens, the cache of finished
+requests and the optional static datastore. The continuations after every occurrence
+(at most ``max_occurrences``, own ones most recent first, then the cache's, then the
+datastore's) are merged into a trie whose ``budget`` best nodes form the draft tree
+(see :func:`~.trees.continuation_tree`).
+
+Drafter interface (per request id, engine-shaped): ``prefill`` (chunked, appends),
+``extend`` (committed tokens), ``rollback`` (to a length), ``free`` (finished: into
+the cache), ``draft`` -> TreeBatch. Drafting is deterministic: verify with the
+target-only rule (``draft_probs=None``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Hashable, Sequence
+
+import numpy as np
+import torch
+
+from ..tree import TreeBatch, TreeConfig
+from .config import RetrievalConfig
+from .datastore import Datastore
+from .index import _RecentCache, _Sequence
+from .trees import best_path, continuation_tree
+
+logger = logging.getLogger(__name__)
+
+
+def _token_list(tokens) -> list[int]:
+    """Tokens (list, tuple, tensor, ndarray) as a list of Python ints >= 0."""
+    out = tokens.tolist() if hasattr(tokens, "tolist") else [int(t) for t in tokens]
+    out = out if isinstance(out, list) else [out]  # a 0-d tensor / array
+    if out and min(out) < 0:
+        raise ValueError(f"token ids must be >= 0, got {min(out)}: pass committed token ids")
+    return out
+
+
+class RetrievalDrafter:
+    """Retrieval drafting for a batch of live requests (see the module docstring).
+
+    State per request id: its committed tokens (prompt + accepted + bonus), indexed.
+    ``draft`` never changes state; a request's tree is rooted at its last committed token.
+    """
+
+    def __init__(self, config: RetrievalConfig = RetrievalConfig(), datastore: Datastore | None = None):
+        self.config = config
+        self.datastore = datastore
+        self.live: dict[Hashable, _Sequence] = {}
+        self.cache = _RecentCache(config.cache_requests)
+        logger.info("retrieval drafter: %s; datastore %s", dataclasses.asdict(config),
+                    "none" if datastore is None else datastore.summary())
+
+    # -- state -----------------------------------------------------------------------
+    def prefill(self, request_id: Hashable, prompt_tokens) -> None:
+        """Add a prompt chunk: starts the request if its id is new, else appends (chunked prefill)."""
+        seq = self.live.get(request_id)
+        if seq is None:
+            seq = self.live[request_id] = _Sequence(self.config.min_match, self.config.max_match)
+        seq.append(_token_list(prompt_tokens))
+
+    def extend(self, request_id: Hashable, tokens) -> None:
+        """Append committed tokens (accepted drafts + bonus) to a prefilled request."""
+        self._live(request_id).append(_token_list(tokens))
+
+    def rollback(self, request_id: Hashable, length: int) -> None:
+        """Forget every token beyond the first ``length`` (the engine discarded them)."""
+        seq = self._live(request_id)
+        if isinstance(length, (bool, float)) or not isinstance(length, (int, np.integer)) \
+                or not 0 <= length <= len(seq.tokens):
+            raise ValueError(f"rollback length must be an int in [0, {len(seq.tokens)}] for request "
+                             f"{request_id!r}, got {length!r}: pass the number of tokens to keep")
+        seq.truncate(int(length))
+
+    def free(self, request_id: Hashable) -> None:
+        """The request finished: its sequence moves into the bounded cache (unknown ids: no-op)."""
+        seq = self.live.pop(request_id, None)
+        if seq is None:
+            logger.debug("free(%r): unknown request, nothing to do", request_id)
+        elif seq.tokens and self.config.cache_requests > 0:
+            self.cache.add(seq)
+
+    def length(self, request_id: Hashable) -> int:
+        return len(self._live(request_id).tokens)
+
+    def tokens(self, request_id: Hashable) -> list[int]:
+        return list(self._live(request_id).tokens)
+
+    def _live(self, request_id: Hashable) -> _Sequence:
+        seq = self.live.get(request_id)
+        if seq is None:
+            raise ValueError(f"request {request_id!r} has no retrieval state: call prefill() for it first")
+        return seq
+
+    # -- lookup ----------------------------------------------------------------------
+    def _datastore_ranges(self, seqs: list[_Sequence | None]) -> list[dict[int, tuple[int, int]]]:
+        """Per request: n -> datastore entry range of its last n tokens (batched search)."""
+        store, cfg = self.datastore, self.config
+        out: list[dict[int, tuple[int, int]]] = [{} for _ in seqs]
+        if store is None:
+            return out
+        asked = [(b, n, seq.suffix_key(n)) for b, seq in enumerate(seqs) if seq is not None
+                 for n in range(max(cfg.min_match, store.min_match), min(cfg.max_match, store.max_match) + 1)
+                 if n <= len(seq.tokens)]
+        if asked:
+            lo, hi = store.ranges([key for _, _, key in asked])
+            for (b, n, _), a, z in zip(asked, lo, hi):
+                if z > a:
+                    out[b][n] = (a, z)
+        return out
+
+    def _continuations(self, seq: _Sequence, depth: int,
+                       ranges: dict[int, tuple[int, int]]) -> tuple[int, list[list[int]]]:
+        """(n, continuations) of the longest suffix pattern (n tokens) found in any source;
+        (0, []) when none."""
+        cfg = self.config
+        for n in range(min(cfg.max_match, len(seq.tokens)), cfg.min_match - 1, -1):
+            found = seq.continuations(n, depth, cfg.max_occurrences)
+            if len(found) < cfg.max_occurrences and (len(self.cache) or n in ranges):
+                pattern = seq.tokens[len(seq.tokens) - n:]
+                if len(self.cache):
+                    found += self.cache.continuations(seq.suffix_key(n), pattern, depth,
+                                                      cfg.max_occurrences - len(found))
+                if n in ranges and len(found) < cfg.max_occurrences:
+                    found += self.datastore.continuations(*ranges[n], pattern, depth,
+                                                          cfg.max_occurrences - len(found))
+            found = [c for c in found if c]
+            if found:
+                return n, found
+        return 0, []
+
+    def _gather(self, request_ids, root_tokens, depth: int):
+        """-> (roots [B] ints, (match length, continuations) per request)."""
+        if root_tokens is not None and len(root_tokens) != len(request_ids):
+            raise ValueError(f"root_tokens has {len(root_tokens)} entries for {len(request_ids)} request_ids: "
+                             "pass one per request, in request_ids order")
+        seqs = [self.live.get(rid) for rid in request_ids]
+        roots = [self._root(rid, seq, root_tokens, b) for b, (rid, seq) in enumerate(zip(request_ids, seqs))]
+        ranges = self._datastore_ranges(seqs)
+        found = [(0, []) if seq is None else self._continuations(seq, depth, ranges[b]) for b, seq in enumerate(seqs)]
+        return roots, found
+
+    @staticmethod
+    def _root(rid, seq: _Sequence | None, root_tokens, b: int) -> int:
+        given = None if root_tokens is None else int(root_tokens[b])
+        if seq is None or not seq.tokens:
+            if given is None:
+                raise ValueError(f"request {rid!r} has no committed tokens: call prefill() first or pass root_tokens")
+            return given
+        if given is not None and given != seq.tokens[-1]:
+            raise ValueError(f"request {rid!r}: root_tokens[{b}] = {given} but the last committed token is "
+                             f"{seq.tokens[-1]}: call extend() with the committed tokens before draft()")
+        return seq.tokens[-1]
+
+    # -- drafting --------------------------------------------------------------------
+    def draft_scored(self, request_ids: Sequence[Hashable], root_tokens=None, *, budget: int | None = None,
+                     max_depth: int | None = None) -> tuple[TreeBatch, torch.Tensor]:
+        """Draft trees and the estimated acceptance probability of every node.
+
+        Returns (TreeBatch, probs): candidates / parents Long [B, N], num_nodes Long [B],
+        TreeBatch.scores Float [B, N] = log of each node's score (root 0, padding -inf,
+        like tree.dynamic's cumulative log-probs) and probs Float [B, N] = each node's
+        score, the estimated probability that the verifier accepts it (root 1, padding
+        0): comparable with a head's path probabilities. A request without any match
+        gets the root alone.
+        ``root_tokens`` (Long [B], optional) must equal each request's last committed
+        token; it supplies the root of a request with no tokens yet. ``budget`` and
+        ``max_depth`` override the config for this call.
+        """
+        cfg = self.config
+        budget = cfg.budget if budget is None else budget
+        depth = cfg.max_depth if max_depth is None else max_depth
+        roots, found = self._gather(request_ids, root_tokens, depth)
+        trees = [continuation_tree(conts, budget, cfg, n) for n, conts in found]
+        return _pack(roots, trees)
+
+    def draft(self, request_ids: Sequence[Hashable], root_tokens=None, **overrides) -> TreeBatch:
+        """Draft trees (see :meth:`draft_scored`); TreeBatch.scores are log-scores."""
+        return self.draft_scored(request_ids, root_tokens, **overrides)[0]
+
+    def best_chain(self, request_ids: Sequence[Hashable], k: int | None = None, root_tokens=None
+                   ) -> tuple[TreeBatch, torch.Tensor]:
+        """Per request the chain of at most k (default max_depth) tokens with the largest
+        expected accepted length (the sum of its scores): (TreeBatch of chains, scores
+        Float [B, N], N = 1 + the longest chain); as :meth:`draft_scored` otherwise.
+        ``batch.candidates[b, 1:batch.num_nodes[b]]`` are request b's draft tokens."""
+        cfg = self.config
+        k = cfg.max_depth if k is None else k
+        roots, found = self._gather(request_ids, root_tokens, k)
+        chains = []
+        for n, conts in found:
+            tokens, probs = best_path(conts, k, cfg, n)
+            chains.append((tokens, list(range(len(tokens))), probs))
+        return _pack(roots, chains)
+
+
+def _pack(roots: list[int], trees: list[tuple[list[int], list[int], list[float]]]) -> tuple[TreeBatch, torch.Tensor]:
+    """Per-request (tokens, parents, probs) of draft nodes -> padded TreeBatch + probs [B, N]."""
+    n = 1 + max((len(t[0]) for t in trees), default=0)
+    cand, par, prob = [], [], []
+    for root, (tokens, parents, probs) in zip(roots, trees):
+        pad = n - 1 - len(tokens)
+        cand.append([root] + tokens + [0] * pad)
+        par.append([-1] + parents + [-1] * pad)
+        prob.append([1.0] + probs + [0.0] * pad)
+    probs = torch.tensor(prob, dtype=torch.float32).reshape(len(roots), n)
+    longs = torch.tensor([cand, par], dtype=torch.long).reshape(2, len(roots), n)
+    num_nodes = torch.tensor([1 + len(t[0]) for t in trees], dtype=torch.long)
+    return TreeBatch(longs[0], longs[1], num_nodes, probs.log()), probs
+
+
+class ReferenceDrafter:
+    """The `specplug.common.drafters.Drafter` protocol (prefill / draft / commit / release
+    with hidden states, which retrieval ignores) over a RetrievalDrafter, so the reference
+    loop drives it: ``reference.generate(target, ReferenceDrafter(), prompt, n, tree=...)``.
+    The tree's ``depth`` and ``budget`` are the draft's max_depth and budget."""
+
+    def __init__(self, drafter: RetrievalDrafter | None = None):
+        self.drafter = drafter or RetrievalDrafter()
+
+    def target_hidden_layers(self, num_target_layers: int) -> tuple[int, ...]:
+        """One entry (the loop needs some; retrieval ignores hidden states)."""
+        return (num_target_layers,)
+
+    def prefill(self, request_ids, prompt_ids, hidden, first_tokens) -> None:
+        for rid, prompt, first in zip(request_ids, prompt_ids, _token_list(first_tokens)):
+            self.drafter.prefill(rid, _token_list(prompt) + [first])
+
+    def commit(self, request_ids, accepted_tokens, hidden, bonus) -> None:
+        for rid, accepted, root in zip(request_ids, accepted_tokens, _token_list(bonus)):
+            self.drafter.extend(rid, _token_list(accepted) + [root])
+
+    def draft(self, request_ids, tree: TreeConfig = TreeConfig()) -> TreeBatch:
+        return self.drafter.draft(request_ids, budget=tree.budget, max_depth=tree.depth)
+
+    def release(self, request_ids) -> None:
+        for rid in request_ids:
+            self.drafter.free(rid)
