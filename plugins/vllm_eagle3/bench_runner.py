@@ -7,8 +7,10 @@ stripped), `specplug` (stage A: the same head with its `specplug` section, stage
 "chain": our proposer, the tree's best path verified as a chain; with `--adaptive` a
 copy of the head whose section says `"adaptive": true`) and `specplug-tree` (stage B: a
 copy whose section says `"stage": "tree"`, the whole tree verified in one target pass,
-num_speculative_tokens = the tree budget). Tree settings come from the head's section
-with SPECPLUG_TREE applied, exactly as the proposer reads them.
+num_speculative_tokens = the tree budget); `specplug-hybrid` and `specplug-hybrid-tree`
+are those two with hybrid drafting on (retrieval candidates merged into the head's tree:
+the section's "retrieval" settings, or the defaults). Tree settings come from the head's
+section with SPECPLUG_TREE applied, exactly as the proposer reads them.
 """
 
 from __future__ import annotations
@@ -67,6 +69,15 @@ def staged_head(head: str, stage: str) -> str:
                       lambda config: config.setdefault("specplug", {}).update(stage=stage))
 
 
+def hybrid_head(head: str, stage: str) -> str:
+    """A folder with the same weights whose `specplug` section says `"stage": stage` and
+    turns hybrid drafting on (its own "retrieval" settings, else the defaults)."""
+    def edit(config):
+        section = config.setdefault("specplug", {})
+        section.update(stage=stage, retrieval=section.get("retrieval") or True)
+    return _head_copy(head, f"specplug-hybrid-{stage}-head-", edit)
+
+
 def head_settings(head: str):
     """The AdapterSettings the proposer will read from this head (SPECPLUG_TREE applied)."""
     from specplug.vllm_eagle3.settings import adapter_settings
@@ -107,7 +118,8 @@ class VllmRunner:
         self._method, self._llm = None, None
 
     def methods(self) -> list[str]:
-        return ["none", "ngram"] + (["eagle3", "specplug", "specplug-tree", "specplug-adaptive"] if self.head else [])
+        specplug = ["eagle3", "specplug", "specplug-tree", "specplug-adaptive", "specplug-hybrid", "specplug-hybrid-tree"]
+        return ["none", "ngram"] + (specplug if self.head else [])
 
     def speculative_config(self, method: str) -> dict | None:
         if method == "none":
@@ -127,6 +139,11 @@ class VllmRunner:
             return {"method": "eagle3", "model": adaptive_head(self.head), "num_speculative_tokens": tree.depth}
         if method == "specplug-tree":
             return {"method": "eagle3", "model": staged_head(self.head, "tree"),
+                    "num_speculative_tokens": tree.budget}
+        if method == "specplug-hybrid":
+            return {"method": "eagle3", "model": hybrid_head(self.head, "chain"), "num_speculative_tokens": tree.depth}
+        if method == "specplug-hybrid-tree":
+            return {"method": "eagle3", "model": hybrid_head(self.head, "tree"),
                     "num_speculative_tokens": tree.budget}
         raise SystemExit(f"specplug bench: unknown vLLM method {method!r}; choose from {self.methods()}")
 

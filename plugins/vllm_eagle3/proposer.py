@@ -34,6 +34,7 @@ from specplug.vllm_eagle3.settings import (
     check_num_speculative_tokens,
     specplug_section,
 )
+from specplug.common.merge import merge_trees
 from specplug.vllm_eagle3.tree_draft import Root, best_chains, draft_trees, full_budget
 
 logger = logging.getLogger(__name__)
@@ -92,6 +93,7 @@ def make_proposer_class(eagle_proposer_cls):
                 logger.info("specplug adaptive speculation on: each step drafts 0..%d tokens, chosen by "
                             "specplug.common.cost from step costs and acceptance measured in this engine",
                             self.num_speculative_tokens)
+            self.retrieval = self._retrieval_drafter(vllm_config)  # hybrid drafting, or None
             self._log_active()
 
         def load_model(self, target_model):
@@ -154,6 +156,8 @@ def make_proposer_class(eagle_proposer_cls):
             discarded = self.runner.discard_request_mask.cpu[:batch].tolist()
             rows, requests = self._committed_rows(token_ids, positions, aux_hidden, next_token_ids,
                                                   attn_metadata, num_rejected, discarded)
+            if self.retrieval is not None:
+                self._sync_retrieval(requests)
             keep = [i for i, b in enumerate(rows) if not discarded[b]]  # vLLM drops partial prefills' drafts
             if self.adaptive is not None:
                 depth = self.adaptive.choose_depth(len(keep)) if keep else 0
@@ -167,7 +171,7 @@ def make_proposer_class(eagle_proposer_cls):
             started = time.perf_counter()
             kept_roots = [roots[i] for i in keep]
             if self.tree_verifier is None:
-                drafts = self._draft_chains(kept_roots, depth)
+                drafts = self._draft_chains(kept_roots, [requests[i][0] for i in keep], depth)
             else:
                 drafts = self._draft_trees(kept_roots, [requests[i][0] for i in keep])
             if self.adaptive is not None:
@@ -176,11 +180,12 @@ def make_proposer_class(eagle_proposer_cls):
             out[[rows[i] for i in keep]] = drafts.to(out.dtype)
             return out.to(next_token_ids.device)
 
-        def _draft_chains(self, roots, depth):
+        def _draft_chains(self, roots, req_ids, depth):
             """Stage A: each root's best tree path, Long [len(roots), depth]."""
             topk = self.specplug.tree.topk
             budget = full_budget(depth, topk, roots[0].logprobs.shape[-1])
-            return best_chains(draft_trees(self._dense_head, roots, depth, topk, budget), depth)
+            trees = draft_trees(self._dense_head, roots, depth, topk, budget)
+            return best_chains(self._with_retrieval(trees, req_ids, depth, budget=None), depth)
 
         def _draft_trees(self, roots, req_ids):
             """Stage B: every kept node of each root's tree, Long [len(roots), N - 1], its
@@ -188,6 +193,7 @@ def make_proposer_class(eagle_proposer_cls):
             their best path padded to N - 1 instead, recorded as nothing (= a chain)."""
             config = self.specplug.tree
             trees = draft_trees(self._dense_head, roots, config.depth, config.topk, config.budget)
+            trees = self._with_retrieval(trees, req_ids, None, budget=config.budget)
             drafts = trees.candidates[:, 1:].clone()  # [B, N - 1]
             chained = torch.tensor([needs_chain(self.runner.requests[r].sampling_params) for r in req_ids])
             if chained.any():
@@ -196,6 +202,53 @@ def make_proposer_class(eagle_proposer_cls):
                 if not chained[b]:
                     self.tree_verifier.record(req_id, trees.candidates[b], trees.parents[b])
             return drafts
+
+        # -- hybrid drafting: retrieval candidates beside the head's -----------------------
+        def _retrieval_drafter(self, vllm_config):
+            """The retrieval drafter of hybrid drafting (settings.retrieval), or None."""
+            if self.specplug.retrieval is None:
+                return None
+            from specplug.common.retrieval import RetrievalDrafter, load_datastore
+
+            store = None
+            if self.specplug.datastore is not None:
+                store = load_datastore(self.specplug.datastore, vocab_size=vllm_config.model_config.get_vocab_size())
+            return RetrievalDrafter(self.specplug.retrieval, store)
+
+        def _with_retrieval(self, trees, req_ids, depth, budget):
+            """The head's trees merged with retrieval trees (same roots) into one tree per
+            request: `budget` best nodes (None: every node), retrieval paths at most `depth`
+            deep (None: its own max_depth)."""
+            if self.retrieval is None:
+                return trees
+            found = self.retrieval.draft(req_ids, trees.candidates[:, 0], max_depth=depth)
+            keep = budget if budget is not None else int(trees.num_nodes.max() + found.num_nodes.max())
+            return merge_trees([trees, found], keep)
+
+        def _sync_retrieval(self, requests):
+            """Bring the retrieval drafter's copy of each request's committed tokens to what
+            vLLM committed this step: cut what vLLM discarded (rejected drafts, preemption),
+            fill what it has not seen from vLLM's request state, then append the new tokens."""
+            for req_id, shifted, positions, _ in requests:
+                if self._retrieval_prefix(req_id, int(positions[0]) + 1):
+                    self.retrieval.extend(req_id, shifted)
+
+        def _retrieval_prefix(self, req_id, length) -> bool:
+            """Make the drafter hold exactly the request's first `length` tokens; False when
+            vLLM's request state does not have them (e.g. prompt embeddings)."""
+            have = self.retrieval.length(req_id) if req_id in self.retrieval.live else None
+            if have is not None and have >= length:
+                self.retrieval.rollback(req_id, length)
+                return True
+            state = self.runner.requests[req_id]
+            known = list(state.prompt_token_ids or []) + list(state.output_token_ids)
+            if len(known) < length or min(known[:length], default=0) < 0:
+                return False
+            if have is None:
+                self.retrieval.prefill(req_id, known[:length])
+            else:
+                self.retrieval.extend(req_id, known[have:length])
+            return True
 
         def _committed_rows(self, token_ids, positions, aux_hidden, next_token_ids, attn_metadata,
                             num_rejected, discarded):
@@ -291,5 +344,8 @@ def make_proposer_class(eagle_proposer_cls):
                 del self._caches[req_id]
             for req_id in [r for r in self._pending if r not in live]:
                 del self._pending[req_id]
+            if self.retrieval is not None:
+                for req_id in [r for r in self.retrieval.live if r not in live]:
+                    self.retrieval.free(req_id)  # its tokens join the cache of recent requests
 
     return SpecplugEagleProposer

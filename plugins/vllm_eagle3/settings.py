@@ -8,7 +8,11 @@ section's `tree` dict; the environment variable SPECPLUG_TREE (a JSON object, e.
 speculation (adaptive.py) is off unless the section says `"adaptive": true`; the
 environment variable SPECPLUG_ADAPTIVE ("1"/"true" or "0"/"false") overrides it. The
 verification stage comes from the section's `"stage"` ("chain" when absent); the
-environment variable SPECPLUG_STAGE ("chain" or "tree") overrides it.
+environment variable SPECPLUG_STAGE ("chain" or "tree") overrides it. Hybrid drafting
+(head + retrieval candidates merged into one tree) is on when the section has
+`"retrieval": true` or an object of specplug.common.retrieval.RetrievalConfig fields
+(plus an optional "datastore" path); SPECPLUG_RETRIEVAL ("0"/"1" or such a JSON
+object) overrides it.
 """
 
 from __future__ import annotations
@@ -20,10 +24,12 @@ from typing import Any, Mapping
 
 from specplug.common.adaptive import ENV_ADAPTIVE as ENV_ADAPTIVE_OVERRIDE
 from specplug.common.adaptive import adaptive_flag
+from specplug.common.retrieval import RetrievalConfig
 from specplug.common.tree import TreeConfig
 
 ENV_TREE_OVERRIDE = "SPECPLUG_TREE"
 ENV_STAGE_OVERRIDE = "SPECPLUG_STAGE"
+ENV_RETRIEVAL_OVERRIDE = "SPECPLUG_RETRIEVAL"
 STAGES = ("chain", "tree")
 
 
@@ -42,12 +48,17 @@ class AdapterSettings:
       the whole tree is verified in one target pass (tree_verify.py).
     adaptive: per engine step, draft 0..num_speculative_tokens tokens as chosen by
       specplug.common.cost from costs and acceptance measured in the engine (adaptive.py).
+    retrieval: hybrid drafting: retrieval candidates (specplug.common.retrieval) merged
+      with the head's tree (specplug.common.merge) before path choice; None = head only.
+    datastore: optional static retrieval datastore file (`specplug datastore build`).
     """
 
     tree: TreeConfig = TreeConfig()
     verification: str = "lossless"
     stage: str = "chain"
     adaptive: bool = False
+    retrieval: RetrievalConfig | None = None
+    datastore: str | None = None
 
     def __post_init__(self):
         if self.verification != "lossless":
@@ -86,12 +97,49 @@ def adapter_settings(section: Mapping[str, Any], environ: Mapping[str, str] = os
             tree.update(json.loads(override))
         except (json.JSONDecodeError, TypeError, ValueError) as exc:
             raise ValueError(f"{ENV_TREE_OVERRIDE} must be a JSON object, got {override!r}: {exc}") from exc
+    retrieval, datastore = retrieval_settings(section, environ)
     return AdapterSettings(
         tree=TreeConfig.from_dict(tree),
         verification=section.get("verification", "lossless"),
         stage=environ.get(ENV_STAGE_OVERRIDE) or section.get("stage", "chain"),
         adaptive=adaptive_flag(section, environ),
+        retrieval=retrieval,
+        datastore=datastore,
     )
+
+
+def retrieval_settings(section: Mapping[str, Any], environ: Mapping[str, str] = os.environ):
+    """(RetrievalConfig or None, datastore path or None) from the section's "retrieval"
+    value (true / false / an object), SPECPLUG_RETRIEVAL overriding it."""
+    value = section.get("retrieval")
+    override = environ.get(ENV_RETRIEVAL_OVERRIDE, "").strip()
+    if override:
+        value = _parse_retrieval_override(override)
+    if value is None or value is False:
+        return None, None
+    if value is True:
+        value = {}
+    if not isinstance(value, Mapping):
+        raise ValueError(f"specplug \"retrieval\" must be true, false or an object of RetrievalConfig fields, "
+                         f"got {value!r}: fix the head's specplug section or {ENV_RETRIEVAL_OVERRIDE}")
+    fields = dict(value)
+    datastore = fields.pop("datastore", None)
+    try:
+        return RetrievalConfig(**fields), datastore
+    except TypeError as exc:
+        raise ValueError(f"specplug \"retrieval\" has an unknown field ({exc}): use fields of "
+                         "specplug.common.retrieval.RetrievalConfig or \"datastore\"") from exc
+
+
+def _parse_retrieval_override(text: str):
+    if text.lower() in ("0", "false", "off"):
+        return False
+    if text.lower() in ("1", "true", "on"):
+        return True
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{ENV_RETRIEVAL_OVERRIDE} must be 0, 1 or a JSON object, got {text!r}: {exc}") from exc
 
 
 def check_num_speculative_tokens(settings: AdapterSettings, num_speculative_tokens: int) -> None:

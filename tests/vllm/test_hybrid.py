@@ -1,0 +1,73 @@
+"""Hybrid drafting in vLLM: retrieval candidates merged with the head's tree, both stages.
+
+Greedy output equals vLLM without speculation; retrieval candidates reach the verified
+trees (prompts that repeat themselves are drafted from their own tokens); finished
+requests join the drafter's cache of recent requests; bad settings fail at start."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("vllm", reason="needs the vLLM environment: bash scripts/test.sh vllm")
+
+from tests.vllm.conftest import SPECPLUG_CHAIN, drafter_of  # noqa: E402
+from tests.vllm.test_stage_a import params, run, token_ids  # noqa: E402
+from tests.vllm.test_stage_b import BUDGET, SPECPLUG_STAGE_B  # noqa: E402
+from tests.vllm.tiny_heads import tiny_head_dir  # noqa: E402
+
+pytestmark = pytest.mark.vllm
+
+RETRIEVAL = {"budget": 4, "max_depth": 4, "min_prob": 0.0}
+# prompts that repeat a phrase: the model's continuations often repeat it too
+REPEATING = ["one two three four one two three four one two three four one two",
+             "the cat and the dog the cat and the dog the cat and the",
+             "red fox red fox red fox red fox red",
+             "a b c d e a b c d e a b c"]
+
+
+@pytest.fixture(scope="session", params=["chain", "tree"])
+def hybrid(request, engine, target):
+    section = SPECPLUG_CHAIN if request.param == "chain" else SPECPLUG_STAGE_B
+    head = tiny_head_dir(target, specplug={**section, "retrieval": RETRIEVAL})
+    spec_tokens = 3 if request.param == "chain" else BUDGET
+    return engine(target, head, num_spec_tokens=spec_tokens)
+
+
+def test_greedy_matches_no_speculation(engine, target, hybrid):
+    sampling = params(max_tokens=32, temperature=0.0)
+    spec, stats = run(hybrid, REPEATING, sampling)
+    assert stats.num_drafts > 0
+    assert spec == token_ids(engine(target).generate(REPEATING, sampling, use_tqdm=False))
+
+
+def test_retrieval_candidates_reach_the_drafts(hybrid):
+    """Some drafted token sequences come from retrieval: drafting with the retrieval
+    drafter switched off for a step gives other drafts."""
+    drafter = drafter_of(hybrid)
+    assert drafter.retrieval is not None
+    found, merge = [], drafter._with_retrieval
+
+    def recording(trees, req_ids, depth, budget):
+        merged = merge(trees, req_ids, depth, budget)
+        found.append(not (merged.candidates.shape == trees.candidates.shape
+                          and bool((merged.candidates == trees.candidates).all())))
+        return merged
+
+    drafter._with_retrieval = recording
+    try:
+        hybrid.generate(REPEATING, params(max_tokens=24, temperature=0.0), use_tqdm=False)
+    finally:
+        del drafter._with_retrieval
+    assert any(found)
+    assert len(drafter.retrieval.cache) > 0  # finished requests joined the cache
+
+
+def test_bad_retrieval_settings_fail_at_start():
+    from specplug.vllm_eagle3.settings import adapter_settings
+
+    with pytest.raises(ValueError, match="unknown field"):
+        adapter_settings({"retrieval": {"bugdet": 4}})
+    with pytest.raises(ValueError, match="SPECPLUG_RETRIEVAL"):
+        adapter_settings({}, {"SPECPLUG_RETRIEVAL": "{not json"})
+    assert adapter_settings({"retrieval": True}, {"SPECPLUG_RETRIEVAL": "0"}).retrieval is None
+    assert adapter_settings({}, {"SPECPLUG_RETRIEVAL": '{"budget": 2}'}).retrieval.budget == 2
