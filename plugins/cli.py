@@ -20,7 +20,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("specplug.vllm_eagle3.serve",
               "start vLLM's OpenAI server (`vllm serve ARGS`), also on vLLM's CPU build where `vllm serve` fails"),
     "demo": ("specplug.vllm_eagle3.demo",
-             "run vLLM with and without the specplug EAGLE-3 head on the test bed; print speed-up and acceptance"),
+             "run vLLM on the test bed without speculation, with specplug and with vLLM's ngram; print one table"),
     "datastore": ("specplug.common.retrieval.cli",
                   "build or inspect a static datastore for the retrieval drafter (REST-style n-gram index)"),
 }
