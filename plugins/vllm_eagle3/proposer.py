@@ -109,7 +109,7 @@ def make_proposer_class(eagle_proposer_cls):
                                 "wrapped (tree positions, ancestor mask via CPU_ATTN override, KV "
                                 "compaction after verification)")
                 self.runner.rejection_sampler = SpecplugChainSampler(self.runner.rejection_sampler, on_verify,
-                                                                     self.tree_verifier)
+                                                                     self.tree_verifier, self._request_params)
                 logger.info("specplug: runner.rejection_sampler replaced by SpecplugChainSampler "
                             "(specplug.common.sampling.verify)")
 
@@ -320,6 +320,11 @@ def make_proposer_class(eagle_proposer_cls):
                 roots.append(Root(int(shifted[-1]), step.logprobs[last], step.hidden[last], int(positions[-1]),
                                   cache.key, cache.value))
             return roots
+
+        def _request_params(self, batch):
+            """SamplingParams of the first `batch` rows of vLLM's input batch (None where unknown)."""
+            requests = self.runner.requests
+            return [getattr(requests.get(r), "sampling_params", None) for r in self.runner.input_batch.req_ids[:batch]]
 
         def _log_active(self):
             tree = self.specplug.tree

@@ -1,9 +1,10 @@
 """vLLM's SamplingMetadata -> specplug.common.request_rules.RequestRules (translation only).
 
 vLLM keeps a step's per-request rules in `SamplingMetadata` (penalties, allowed ids, bad
-words) and in its built-in logits processors (min-p, logit bias, min-tokens), indexed by
-the request's row in the batch. These functions read them; what the rules mean lives in
-the core. Anything else (custom logits processors, thinking budgets, logprobs of chosen
+words) and in its built-in logits processors, indexed by the request's row in the batch.
+With speculation configured vLLM builds only the min-tokens processor (min-p and logit
+bias have none), so those two are read from each request's SamplingParams. These
+functions read them; what the rules mean lives in the core. Anything else (custom logits processors, thinking budgets, logprobs of chosen
 token ids, processed-logprobs modes) is named by `undraftable_reason`: such a step runs
 without drafts (sampler.py).
 """
@@ -41,16 +42,17 @@ def undraftable_reason(sampling_metadata, logprobs_mode: str) -> str | None:
     return None
 
 
-def min_p_of(sampling_metadata, batch: int) -> torch.Tensor | float:
-    """min-p per request, Float [B] (0 = off), or 0.0 when nobody uses it."""
-    proc = _builtin(sampling_metadata, "MinPLogitsProcessor")
-    if proc is None or not proc.min_p_count:
-        return 0.0
-    return torch.from_numpy(proc.min_p_cpu[:batch].copy())
+def min_p_of(params: list) -> torch.Tensor | float:
+    """min-p per request, Float [B] (0 = off), or 0.0 when nobody uses it; params: the
+    batch's SamplingParams (None for a request without)."""
+    values = [float(getattr(p, "min_p", 0.0) or 0.0) for p in params]
+    return torch.tensor(values) if any(values) else 0.0
 
 
-def rules_of(sampling_metadata, batch: int, vocab: int) -> RequestRules:
-    """The step's rules for its B requests (vocab V = the logits' width)."""
+def rules_of(sampling_metadata, params: list, vocab: int) -> RequestRules:
+    """The step's rules for its B requests (params: their SamplingParams, vocab V = the
+    logits' width)."""
+    batch = len(params)
     penalties = {}
     if not sampling_metadata.no_penalties:
         penalties = dict(
@@ -64,7 +66,7 @@ def rules_of(sampling_metadata, batch: int, vocab: int) -> RequestRules:
         output_tokens=[list(t) for t in sampling_metadata.output_token_ids[:batch]],
         allowed=None if allowed is None else ~allowed[:batch, :vocab].cpu(),  # vLLM's mask marks banned ids
         bad_words=dict(sampling_metadata.bad_words_token_ids or {}),
-        logit_bias=_logit_bias(sampling_metadata),
+        logit_bias=_logit_bias(params),
         min_tokens=_min_tokens(sampling_metadata),
         **penalties,
     )
@@ -78,9 +80,9 @@ def _prompt_mask(prompt_token_ids: torch.Tensor, vocab: int) -> torch.Tensor:
     return mask[:, :vocab]
 
 
-def _logit_bias(sampling_metadata) -> dict[int, dict[int, float]]:
-    proc = _builtin(sampling_metadata, "LogitBiasLogitsProcessor")
-    return {} if proc is None else {b: dict(bias) for b, bias in proc.biases.items()}
+def _logit_bias(params: list) -> dict[int, dict[int, float]]:
+    return {b: {int(t): float(v) for t, v in p.logit_bias.items()}
+            for b, p in enumerate(params) if p is not None and p.logit_bias}
 
 
 def _min_tokens(sampling_metadata) -> dict[int, tuple[int, set[int]]]:

@@ -104,10 +104,11 @@ class SpecplugChainSampler:
     with a rule specplug does not model (request_rules.undraftable_reason) emits one
     token per request from vLLM's non-speculative sampler instead."""
 
-    def __init__(self, vllm_sampler, on_verify=None, tree=None):
+    def __init__(self, vllm_sampler, on_verify=None, tree=None, request_params=None):
         self.vllm_sampler = vllm_sampler
         self.on_verify = on_verify  # (num_draft_tokens [B], num_accepted [B]) after each verify
         self.tree = tree
+        self.request_params = request_params or (lambda batch: [None] * batch)  # B -> SamplingParams per row
         self._fallback_reasons: set[str] = set()
 
     def __getattr__(self, name):  # the runner also reads helpers off its sampler
@@ -124,9 +125,9 @@ class SpecplugChainSampler:
         if tree_parents is not None:
             parents = _stack_parents(tree_parents, parents.shape[1])
         raw = logits[: int(num_nodes.sum())]  # [R, V], R = sum(num_nodes)
-        rules = rules_of(sampling_metadata, len(num_nodes), raw.shape[-1])
-        processed = apply_rules(raw, rules, candidates, parents, num_nodes)
-        result = self._verify(candidates, parents, num_nodes, processed, sampling_metadata)
+        params = self.request_params(len(num_nodes))
+        processed = apply_rules(raw, rules_of(sampling_metadata, params, raw.shape[-1]), candidates, parents, num_nodes)
+        result = self._verify(candidates, parents, num_nodes, processed, sampling_metadata, min_p_of(params))
         if self.tree is not None:
             self.tree.accept(result.accepted_nodes, result.num_accepted)
         if self.on_verify is not None:
@@ -174,16 +175,16 @@ class SpecplugChainSampler:
             logprobs = LogprobsTensors(*(_spread(t, width) for t in logprobs))
         return SamplerOutput(sampled_token_ids=tokens, logprobs_tensors=logprobs)
 
-    def _verify(self, candidates, parents, num_nodes, logits, sampling_metadata):
+    def _verify(self, candidates, parents, num_nodes, logits, sampling_metadata, min_p=0.0):
         """verify() over flat logits [sum(num_nodes), vocab] (request-major)."""
         if sampling_metadata.all_greedy:
             return verify(candidates, parents, logits, method="greedy", num_nodes=num_nodes)
-        return verify(candidates, parents, self._target_probs(logits, num_nodes, sampling_metadata),
+        return verify(candidates, parents, self._target_probs(logits, num_nodes, sampling_metadata, min_p),
                       method="rejection", num_nodes=num_nodes,
                       generators=[sampling_metadata.generators.get(i) for i in range(len(num_nodes))])
 
     @staticmethod
-    def _target_probs(logits, num_nodes, sampling_metadata):
+    def _target_probs(logits, num_nodes, sampling_metadata, min_p=0.0):
         """p for every row, from the request's temperature / min-p / top-k / top-p."""
         temperature = _per_row(sampling_metadata.temperature, num_nodes, 1.0)
         if isinstance(temperature, torch.Tensor):
@@ -192,7 +193,7 @@ class SpecplugChainSampler:
             logits, temperature,
             _per_row(sampling_metadata.top_k, num_nodes, 0),
             _per_row(sampling_metadata.top_p, num_nodes, 1.0),
-            _per_row(min_p_of(sampling_metadata, len(num_nodes)), num_nodes, 0.0),
+            _per_row(min_p, num_nodes, 0.0),
         )
 
     def _log_once(self, reason: str) -> None:

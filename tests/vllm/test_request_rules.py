@@ -25,9 +25,9 @@ RULES = {
     "presence": dict(presence_penalty=1.5),
     "frequency": dict(frequency_penalty=0.8),
     "repetition": dict(repetition_penalty=1.4),
-    "bad_words": dict(bad_words=["the", "and the"]),
     "allowed": dict(allowed_token_ids=list(range(40, 140))),
     "logit_bias": dict(logit_bias={50: 8.0, 60: -100.0, 70: 4.0}),
+    "logit_bias_forced": dict(logit_bias={50: 100.0}),
     "min_tokens": dict(min_tokens=12, max_tokens=16, ignore_eos=False, stop_token_ids=[50, 51]),
     "min_p": dict(min_p=0.3),
 }
@@ -45,13 +45,43 @@ def _greedy(**kw):
     return params(temperature=0.0, **kw)
 
 
-@pytest.mark.parametrize("rule", sorted(RULES))
-def test_greedy_with_each_rule_matches_no_speculation(engine, target, spec_engine, rule):
+@pytest.fixture(scope="session")
+def rules(engine, target):
+    """RULES plus bad words taken from what the model says without them (two words of
+    its greedy output for PROMPTS[0] and PROMPTS[2]), so banning them changes the output."""
+    said = [o.outputs[0].text.split() for o in engine(target).generate(
+        [PROMPTS[0], PROMPTS[2]], _greedy(), use_tqdm=False)]
+    return {**RULES, "bad_words": dict(bad_words=[words[0] for words in said if words])}
+
+
+@pytest.mark.parametrize("rule", sorted([*RULES, "bad_words"]))
+def test_greedy_with_each_rule_matches_no_speculation(engine, target, spec_engine, rules, rule):
     """Rule requests beside plain greedy ones: the whole batch equals no speculation."""
-    sampling = [_greedy(**RULES[rule]), _greedy()] * 2
+    sampling = [_greedy(**rules[rule]), _greedy()] * 2
     spec, stats = run(spec_engine, PROMPTS[:4], sampling)
     assert stats.num_drafts > 0
     assert spec == token_ids(engine(target).generate(PROMPTS[:4], sampling, use_tqdm=False))
+
+
+def test_rules_change_the_output_they_should(engine, target, rules):
+    """The rules above are not no-ops on this model (else equality would prove nothing):
+    a +100 bias forces its token; penalties, bad words and allowed ids change greedy text."""
+    plain = engine(target)
+    forced = token_ids(plain.generate(PROMPTS[:2], _greedy(**RULES["logit_bias_forced"]), use_tqdm=False))
+    assert all(set(ids) == {50} for ids in forced)
+    free = token_ids(plain.generate(PROMPTS[:4], _greedy(), use_tqdm=False))
+    for rule in ("presence", "repetition", "bad_words", "allowed"):
+        ruled = token_ids(plain.generate(PROMPTS[:4], _greedy(**rules[rule]), use_tqdm=False))
+        assert ruled != free, rule
+
+
+def test_min_p_keeps_only_the_argmax_at_099(engine, target, spec_engine):
+    """min_p = 0.99 at T = 1 leaves only the most likely token: sampled output must equal
+    greedy output without speculation (vLLM builds no min-p processor when speculation is
+    configured; specplug reads min_p from the request)."""
+    sampled = params(max_tokens=20, temperature=1.0, min_p=0.99, seed=5)
+    spec = token_ids(spec_engine.generate(PROMPTS[:4], sampled, use_tqdm=False))
+    assert spec == token_ids(engine(target).generate(PROMPTS[:4], _greedy(), use_tqdm=False))
 
 
 def test_top_k_beside_logprobs_and_penalties_completes(engine, target, spec_engine):
