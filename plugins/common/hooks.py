@@ -85,17 +85,20 @@ class _Builtins:
 
     @hookimpl
     def specplug_drafters(self) -> dict[str, Callable]:
-        return {}
+        from specplug.common.retrieval import RetrievalDrafter
+
+        return {"retrieval": RetrievalDrafter}
 
     @hookimpl
     def specplug_tree_builders(self) -> dict[str, Callable]:
-        from specplug.common import tree
+        from specplug.common import merge, tree
 
         return {
             "chain": tree.chain,
             "from_choices": tree.from_choices,
             "optimal_sparse": tree.optimal_sparse,
             "dynamic": tree.dynamic,
+            "merge": merge.merge_trees,
         }
 
     @hookimpl

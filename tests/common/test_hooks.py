@@ -42,7 +42,7 @@ def installed_plugin(tmp_path, monkeypatch):
 
 def test_builtins_are_registered():
     pm = hooks.make_plugin_manager(load_entrypoints=False)
-    assert set(hooks.tree_builders(pm)) == {"chain", "from_choices", "optimal_sparse", "dynamic"}
+    assert set(hooks.tree_builders(pm)) == {"chain", "from_choices", "optimal_sparse", "dynamic", "merge"}
     assert set(hooks.samplers(pm)) == {"greedy", "rejection", "typical"}
     greedy = hooks.get_sampler("greedy", pm)
     res = greedy(torch.tensor([[0, 1]]), torch.tensor([[-1, 0]]), torch.tensor([[[0.0, 1.0], [1.0, 0.0]]]))
@@ -103,3 +103,13 @@ def test_pyproject_declares_the_group_and_our_entry_point_is_not_loaded_twice(tm
     monkeypatch.syspath_prepend(str(tmp_path))
     pm = hooks.make_plugin_manager()
     assert set(hooks.samplers(pm)) >= {"greedy", "rejection", "typical"}
+
+
+def test_builtin_retrieval_drafter_and_merge_are_registered():
+    from specplug.common.hooks import get_drafter, get_tree_builder, make_plugin_manager
+    from specplug.common.merge import merge_trees
+    from specplug.common.retrieval import RetrievalDrafter
+
+    pm = make_plugin_manager(load_entrypoints=False)
+    assert get_drafter("retrieval", pm) is RetrievalDrafter
+    assert get_tree_builder("merge", pm) is merge_trees
