@@ -23,6 +23,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
              "run vLLM on the test bed without speculation, with specplug and with vLLM's ngram; print one table"),
     "datastore": ("specplug.common.retrieval.cli",
                   "build or inspect a static datastore for the retrieval drafter (REST-style n-gram index)"),
+    "soak": ("specplug.soak", "soak and fault test: real servers on loopback under mixed concurrent load, then checks"),
 }
 
 

@@ -2,7 +2,8 @@
 
 `register()` runs in every SGLang process (SGLang's load_plugins()). It
 - installs tree verification for the torch_native attention backend (tree_attention.py),
-- registers the speculative algorithm "MEDUSA" (spec.py; worker in worker.py).
+- registers the speculative algorithm "MEDUSA" (spec.py; worker in worker.py),
+- refuses structured-output requests on MEDUSA servers with a 400 (admission.py).
 SGLang is imported only inside register(), so `import specplug` works without it.
 """
 
@@ -17,13 +18,14 @@ def register() -> None:
     """Entry point run by SGLang's load_plugins() in every process; imports SGLang lazily."""
     from importlib.metadata import version
 
-    from specplug.sglang_medusa import spec, tree_attention
+    from specplug.sglang_medusa import admission, spec, tree_attention
 
     installed = version("sglang")
     if installed != SUPPORTED_SGLANG:
         logger.warning("specplug's SGLang plugin is built for sglang==%s, found %s: internal APIs "
                        "may differ", SUPPORTED_SGLANG, installed)
     tree_attention.install()
+    admission.install()
     spec.register_medusa()
     logger.info("specplug: registered speculative algorithm MEDUSA and torch_native tree verification "
                 "(AROUND hook on %s)", tree_attention.TARGET)

@@ -52,6 +52,19 @@ def test_openai_completions_endpoint(server, sgl_model):
     assert isinstance(reply["choices"][0]["text"], str)
 
 
+def test_structured_output_is_refused_with_400_and_the_server_keeps_serving(server, sgl_model):
+    """MEDUSA does not apply grammars yet: such a request gets a 400 naming why (it used to
+    stop the scheduler, and the server with it); the next request is served."""
+    url, _ = server
+    schema = {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}
+    reply = requests.post(f"{url}/v1/chat/completions", json={
+        "model": str(sgl_model), "messages": [{"role": "user", "content": "a name?"}], "max_tokens": 12,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": schema}}}, timeout=120)
+    assert reply.status_code == 400 and "MEDUSA" in reply.text
+    test_openai_completions_endpoint(server, sgl_model)
+    assert requests.get(f"{url}/health", timeout=5).status_code == 200
+
+
 def test_shutdown_is_clean(server):
     """SIGTERM stops the server and every process it started (runs last in this module)."""
     _, proc = server

