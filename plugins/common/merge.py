@@ -14,9 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import torch
-
-from specplug.common.tree import TreeBatch
+from specplug.common.tree import DraftTree, TreeBatch, stack_trees
 
 
 def merge_trees(sources: Sequence[TreeBatch], budget: int) -> TreeBatch:
@@ -26,8 +24,8 @@ def merge_trees(sources: Sequence[TreeBatch], budget: int) -> TreeBatch:
         raise ValueError("merge_trees needs at least one source tree batch")
     if any(s.scores is None for s in sources):
         raise ValueError("every source must carry scores (log estimated acceptance per node)")
-    merged = [_merge_one([_request(s, b) for s in sources], budget) for b in range(len(sources[0].num_nodes))]
-    return _stack(merged)
+    return stack_trees([_merge_one([_request(s, b) for s in sources], budget)
+                        for b in range(len(sources[0].num_nodes))])
 
 
 def _request(batch: TreeBatch, b: int):
@@ -36,7 +34,7 @@ def _request(batch: TreeBatch, b: int):
     return (batch.candidates[b, :n].tolist(), batch.parents[b, :n].tolist(), batch.scores[b, :n].tolist())
 
 
-def _merge_one(trees, budget: int):
+def _merge_one(trees, budget: int) -> DraftTree:
     """One request: trie of all paths with the max score, then the `budget` best nodes."""
     root = trees[0][0][0]
     nodes = {(): 0.0}  # path tokens -> best log score
@@ -56,18 +54,4 @@ def _merge_one(trees, budget: int):
         out_tokens.append(path[-1])
         out_parents.append(index[path[:-1]])
         out_scores.append(nodes[path])
-    return out_tokens, out_parents, out_scores
-
-
-def _stack(trees) -> TreeBatch:
-    width = max(len(t[0]) for t in trees)
-    batch = len(trees)
-    candidates = torch.zeros(batch, width, dtype=torch.long)
-    parents = torch.full((batch, width), -1, dtype=torch.long)
-    scores = torch.full((batch, width), float("-inf"))
-    for b, (tokens, pars, sc) in enumerate(trees):
-        n = len(tokens)
-        candidates[b, :n] = torch.tensor(tokens)
-        parents[b, :n] = torch.tensor(pars)
-        scores[b, :n] = torch.tensor(sc)
-    return TreeBatch(candidates, parents, torch.tensor([len(t[0]) for t in trees]), scores)
+    return DraftTree(out_tokens, out_parents, out_scores)

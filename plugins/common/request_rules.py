@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specplug.common.tree import ancestor_mask
+from specplug.common.tree import ancestor_mask, tree_depths
 
 
 @dataclass(frozen=True)
@@ -136,8 +136,6 @@ def _hold_stop_tokens(x, rules, request, parents, num_nodes) -> None:
 
 
 def _flat_depths(parents, num_nodes) -> torch.Tensor:
-    from specplug.common.tree import tree_depths
-
     depth = tree_depths(parents.cpu())  # [B, N]
     real = torch.arange(parents.shape[1])[None] < num_nodes.cpu()[:, None]
     return depth[real]

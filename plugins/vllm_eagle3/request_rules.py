@@ -4,9 +4,9 @@ vLLM keeps a step's per-request rules in `SamplingMetadata` (penalties, allowed 
 words) and in its built-in logits processors, indexed by the request's row in the batch.
 With speculation configured vLLM builds only the min-tokens processor (min-p and logit
 bias have none), so those two are read from each request's SamplingParams. These
-functions read them; what the rules mean lives in the core. Anything else (custom logits processors, thinking budgets, logprobs of chosen
-token ids, processed-logprobs modes) is named by `undraftable_reason`: such a step runs
-without drafts (sampler.py).
+functions read them; what the rules mean lives in the core. Anything else (custom logits
+processors, thinking budgets, logprobs of chosen token ids, processed-logprobs modes) is
+named by `undraftable_reason`: such a step runs without drafts (sampler.py).
 """
 
 from __future__ import annotations
