@@ -16,6 +16,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "testbed": ("specplug.common.testbed", "build or inspect the offline test bed (SmolLM2-135M + prompt sets)"),
     "convert": ("specplug.common.convert", "convert draft heads between checkpoint formats"),
     "train": ("specplug.common.train", "train EAGLE-3 or Medusa heads for a Hugging Face causal LM"),
+    "distill": ("specplug.common.distill",
+                "write the target's own replies to a prompt set (self-distilled training data), resumable"),
     "bench": ("specplug.bench", "measure speed-up and acceptance against the engine without speculation"),
     "serve": ("specplug.vllm_eagle3.serve",
               "start vLLM's OpenAI server (`vllm serve ARGS`), also on vLLM's CPU build where `vllm serve` fails"),
