@@ -13,10 +13,20 @@ One public entry point, :func:`verify`, batched over requests (see docs/core.md)
 * ``"rejection"`` with ``draft_probs`` (Leviathan / Chen for chains, SpecInfer
   multi-draft for trees; children must be drawn i.i.d. from q): accept x when
   ``u * q(x) < p_res(x)``; on rejection ``p_res = norm(max(0, p_res - q))``. Lossless.
+* ``"coupled"`` (deterministic drafting): the target samples the token after every
+  node by inverse CDF, ``x_j = F_{p_j}^{-1}(u_d)`` with u_d the draw of the node's
+  DEPTH d (``uniforms[:, d]``); a child is accepted when its token equals its parent's
+  x; bonus = x of the last accepted node. Every emitted token is x of its position,
+  an exact sample of p (lossless), and it never depends on the drafts: with
+  :func:`position_uniforms` (a draw fixed by the request's seed and the token's
+  position) a seeded request's output is the same whatever was drafted, batched or
+  preempted. Acceptance equals the target-only rejection rule's (sum of p over the
+  children), so it is that rule with reproducible randomness.
 * ``"typical"``: Medusa-2 typical acceptance, LOSSY: accept x when
   ``p(x) > min(epsilon, delta * exp(-H(p)))``; keep the deepest accepted path.
 
-Randomness is fully defined by ``uniforms`` [B, N+1] so that a CUDA kernel can
+Randomness is fully defined by ``uniforms`` [B, N+1] (``"coupled"``: column d is the
+draw of depth d, see above) so that a CUDA kernel can
 reproduce the torch path: ``uniforms[:, j]`` (j >= 1) is node j's acceptance draw,
 ``uniforms[:, 0]`` the draw for the final (bonus or recovered) token (column N is
 spare: the contract reserves N+1 columns), sampled by
@@ -55,9 +65,10 @@ __all__ = [
     "sampling_tensors",
     "draw_uniforms",
     "sample_inverse_cdf",
+    "position_uniforms",
 ]
 
-METHODS = ("greedy", "rejection", "typical")
+METHODS = ("greedy", "rejection", "coupled", "typical")
 # Medusa-2 typical acceptance defaults (epsilon = hard threshold, delta = entropy factor);
 # defined once here, the Medusa repo swaps them between two files.
 TYPICAL_EPSILON = 0.09
@@ -219,6 +230,38 @@ def draw_uniforms(batch: int, nodes: int, generators=None, device=None) -> torch
         for g in generators
     ]
     return torch.stack([r.to(device) for r in rows]) if rows else torch.zeros(0, nodes + 1, device=device)
+
+
+_GOLDEN = 0x9E3779B97F4A7C15
+_MIX = (0xBF58476D1CE4E5B9, 0x94D049BB133111EB)
+
+
+def _signed(c: int) -> int:
+    """A 64-bit constant as the int64 with the same bits."""
+    return c - (1 << 64) if c >= 1 << 63 else c
+
+
+def _shr(x: torch.Tensor, k: int) -> torch.Tensor:
+    """Logical right shift of int64 bits (torch's >> is arithmetic)."""
+    return (x >> k) & ((1 << (64 - k)) - 1)
+
+
+def _mix64(z: torch.Tensor) -> torch.Tensor:
+    """splitmix64's finaliser on int64 bits (multiplication wraps modulo 2**64)."""
+    z = (z ^ _shr(z, 30)) * _signed(_MIX[0])
+    z = (z ^ _shr(z, 27)) * _signed(_MIX[1])
+    return z ^ _shr(z, 31)
+
+
+def position_uniforms(seeds: torch.Tensor, positions: torch.Tensor, width: int) -> torch.Tensor:
+    """Float64 [B, width] in [0, 1): u[b, d] is a fixed function of (seeds[b],
+    positions[b] + d) only (splitmix64), the draw of the request's token at that
+    sequence position. With method "coupled" this makes a seeded request's output
+    independent of drafts, batch mates and preemption."""
+    seeds, positions = seeds.long(), positions.long()
+    t = positions.unsqueeze(1) + torch.arange(width, device=positions.device)  # [B, width]
+    z = _mix64(_mix64(seeds.unsqueeze(1)) + (t + 1) * _signed(_GOLDEN))
+    return _shr(z, 11).double() * 2.0 ** -53
 
 
 def sample_inverse_cdf(dist: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
@@ -451,6 +494,18 @@ def _verify_target_only(p: _NodeRows, tree: _Tree, p_sum: torch.Tensor, uniforms
     return final, sample_inverse_cdf(dist, uniforms[:, 0])
 
 
+def _verify_coupled(p: _NodeRows, tree: _Tree, uniforms: torch.Tensor):
+    """x_j = inverse-CDF sample of p after node j with the draw of j's depth; accept the
+    children equal to their parent's x; bonus = x at the deepest such path's end."""
+    u = uniforms.gather(1, tree.depth)  # [B, N]: the draw for the token after node j
+    b, j = tree.real.nonzero(as_tuple=True)
+    x = torch.full_like(tree.candidates, -1)  # [B, N]
+    x[b, j] = sample_inverse_cdf(p.rows(j, b), u[b, j])
+    hit = tree.real & (tree.parents >= 0) & (tree.candidates == x.gather(1, tree.parents.clamp(min=0)))
+    final = _deepest_path_end(hit, tree)
+    return final, x.gather(1, final.unsqueeze(1)).squeeze(1)
+
+
 def _specinfer_residual(p_res: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     """norm(max(0, p_res - q)) per row [B, V]; keeps p_res where that is all zero (rounding)."""
     res = (p_res - q).clamp(min=0)
@@ -567,7 +622,10 @@ def verify(
     p = _NodeRows(target_probs, tree)
     q = _NodeRows(draft_probs, tree) if method == "rejection" and draft_probs is not None else None
     reduced = _validate_values(p, q, tree, method) if validate else None
-    if target_probs.is_cuda and method != "typical":
+    if method == "coupled" and draft_probs is not None:
+        raise ValueError('method "coupled" is for deterministic drafting (draft_probs None); drafts drawn '
+                         'from q need method "rejection"')
+    if target_probs.is_cuda and method in ("greedy", "rejection"):
         result = _try_cuda(candidates, tree.parents, target_probs, None if q is None else draft_probs,
                            method, tree.num_nodes, uniforms)
         if result is not None:
@@ -577,6 +635,8 @@ def verify(
         final, bonus = _verify_greedy(p, tree, reduced)
     elif method == "typical":
         final, bonus = _verify_typical(p, tree, uniforms, typical_epsilon, typical_delta)
+    elif method == "coupled":
+        final, bonus = _verify_coupled(p, tree, uniforms)
     elif q is None:
         final, bonus = _verify_target_only(p, tree, reduced, uniforms)
     else:

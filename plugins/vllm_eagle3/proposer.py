@@ -108,8 +108,9 @@ def make_proposer_class(eagle_proposer_cls):
                     logger.info("specplug stage tree: runner._prepare_inputs and _build_attention_metadata "
                                 "wrapped (tree positions, ancestor mask via CPU_ATTN override, KV "
                                 "compaction after verification)")
-                self.runner.rejection_sampler = SpecplugChainSampler(self.runner.rejection_sampler, on_verify,
-                                                                     self.tree_verifier, self._request_params)
+                self.runner.rejection_sampler = SpecplugChainSampler(
+                    self.runner.rejection_sampler, on_verify, self.tree_verifier, self._request_params,
+                    self._request_positions)
                 logger.info("specplug: runner.rejection_sampler replaced by SpecplugChainSampler "
                             "(specplug.common.sampling.verify)")
 
@@ -325,6 +326,11 @@ def make_proposer_class(eagle_proposer_cls):
             """SamplingParams of the first `batch` rows of vLLM's input batch (None where unknown)."""
             requests = self.runner.requests
             return [getattr(requests.get(r), "sampling_params", None) for r in self.runner.input_batch.req_ids[:batch]]
+
+        def _request_positions(self, batch) -> torch.Tensor:
+            """Long [batch]: tokens each of the first `batch` rows holds before this step
+            (prompt + committed output), i.e. the position of its next token."""
+            return torch.from_numpy(self.runner.input_batch.num_tokens_no_spec[:batch].copy()).long()
 
         def _log_active(self):
             tree = self.specplug.tree

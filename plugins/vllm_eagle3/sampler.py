@@ -12,8 +12,11 @@ top-k beside requests that need its logits processors. specplug verifies every r
 of every step itself: the request's rules (penalties, bad words, allowed ids, logit
 bias, min-tokens; specplug.common.request_rules, along each node's own path), then
 temperature / min-p / top-k / top-p (specplug.common.sampling.process_logits), then
-verify(method="rejection") with no draft probabilities (the lossless target-only rule);
-per-request seeds use vLLM's generators. Logprobs of the emitted tokens are vLLM's raw
+verify(method="coupled"): the target's own inverse-CDF sample at every node matched
+against the drafts (lossless, the target-only rule's acceptance). A seeded request's
+draw for the token at sequence position t is fixed by (seed, t)
+(sampling.position_uniforms), so its output is the same run to run whatever was
+drafted, batched beside it or preempted; unseeded requests draw at random. Logprobs of the emitted tokens are vLLM's raw
 logprobs, gathered at the rows the tokens came from.
 
 A step with something specplug does not model (a custom logits processor, a thinking
@@ -32,7 +35,7 @@ import logging
 import torch
 
 from specplug.common.request_rules import apply_rules
-from specplug.common.sampling import process_logits, verify
+from specplug.common.sampling import position_uniforms, process_logits, verify
 from specplug.vllm_eagle3.request_rules import min_p_of, rules_of, undraftable_reason
 
 logger = logging.getLogger(__name__)
@@ -104,11 +107,13 @@ class SpecplugChainSampler:
     with a rule specplug does not model (request_rules.undraftable_reason) emits one
     token per request from vLLM's non-speculative sampler instead."""
 
-    def __init__(self, vllm_sampler, on_verify=None, tree=None, request_params=None):
+    def __init__(self, vllm_sampler, on_verify=None, tree=None, request_params=None, request_positions=None):
         self.vllm_sampler = vllm_sampler
         self.on_verify = on_verify  # (num_draft_tokens [B], num_accepted [B]) after each verify
         self.tree = tree
         self.request_params = request_params or (lambda batch: [None] * batch)  # B -> SamplingParams per row
+        # B -> Long [B]: tokens each request holds before this step (the next token's position)
+        self.request_positions = request_positions
         self._fallback_reasons: set[str] = set()
 
     def __getattr__(self, name):  # the runner also reads helpers off its sampler
@@ -127,7 +132,7 @@ class SpecplugChainSampler:
         raw = logits[: int(num_nodes.sum())]  # [R, V], R = sum(num_nodes)
         params = self.request_params(len(num_nodes))
         processed = apply_rules(raw, rules_of(sampling_metadata, params, raw.shape[-1]), candidates, parents, num_nodes)
-        result = self._verify(candidates, parents, num_nodes, processed, sampling_metadata, min_p_of(params))
+        result = self._verify(candidates, parents, num_nodes, processed, sampling_metadata, params)
         if self.tree is not None:
             self.tree.accept(result.accepted_nodes, result.num_accepted)
         if self.on_verify is not None:
@@ -175,13 +180,23 @@ class SpecplugChainSampler:
             logprobs = LogprobsTensors(*(_spread(t, width) for t in logprobs))
         return SamplerOutput(sampled_token_ids=tokens, logprobs_tensors=logprobs)
 
-    def _verify(self, candidates, parents, num_nodes, logits, sampling_metadata, min_p=0.0):
+    def _verify(self, candidates, parents, num_nodes, logits, sampling_metadata, params):
         """verify() over flat logits [sum(num_nodes), vocab] (request-major)."""
         if sampling_metadata.all_greedy:
             return verify(candidates, parents, logits, method="greedy", num_nodes=num_nodes)
-        return verify(candidates, parents, self._target_probs(logits, num_nodes, sampling_metadata, min_p),
-                      method="rejection", num_nodes=num_nodes,
-                      generators=[sampling_metadata.generators.get(i) for i in range(len(num_nodes))])
+        return verify(candidates, parents, self._target_probs(logits, num_nodes, sampling_metadata, min_p_of(params)),
+                      method="coupled", num_nodes=num_nodes, uniforms=self._uniforms(params, candidates.shape[1] + 1))
+
+    def _uniforms(self, params, width: int) -> torch.Tensor:
+        """Float64 [B, width], column d the draw for each request's token d places past its
+        root: fixed by (seed, position) for seeded requests, random for the others."""
+        u = torch.rand(len(params), width, dtype=torch.float64)
+        seeded = [i for i, sp in enumerate(params) if getattr(sp, "seed", None) is not None]
+        if seeded and self.request_positions is not None:
+            rows = torch.tensor(seeded)
+            seeds = torch.tensor([params[i].seed for i in seeded])
+            u[rows] = position_uniforms(seeds, self.request_positions(len(params))[rows], width)
+        return u
 
     @staticmethod
     def _target_probs(logits, num_nodes, sampling_metadata, min_p=0.0):

@@ -11,7 +11,9 @@ and root token, and compares the empirical distribution of
   accepts no draft token its second token comes from a second verify step rooted at
   x1 (exactly what an engine does next).
 
-Rules covered: target-only (deterministic drafting: children are the drafter's top
+Rules covered: coupled (deterministic drafting, the target's inverse-CDF sample per
+depth matched against the children; tests/common/test_sampling_coupled.py adds its
+reproducibility), target-only (deterministic drafting: children are the drafter's top
 ranks; chains 1..5 and trees, one with a duplicated sibling token) and draft-probs
 (children drawn i.i.d. from Q: Leviathan on chains, SpecInfer on trees). Vocab 8-32,
 temperature 0.5 / 1 / 1.5, with and without top-k + top-p.
@@ -49,6 +51,9 @@ SHAPES["medusa7"] = (_medusa.parents.tolist(), _medusa.tokens.tolist())
 SHAPES["binary"] = ([-1, 0, 0, 1, 1, 2, 2], [0, 0, 1, 0, 1, 0, 1])
 SHAPES["dup_sibling"] = ([-1, 0, 0, 0, 1, 3], [0, 0, 1, 0, 0, 1])  # node 3 repeats node 1's token
 TEMPERATURES = (0.5, 1.0, 1.5)
+# rule -> verify method: target-only and draft-probs rejection, and the coupled rule
+# (deterministic drafts, the target's own inverse-CDF sample matched against them)
+RULES = {"target_only": "rejection", "draft_probs": "rejection", "coupled": "coupled"}
 VOCABS = (8, 16, 32)
 
 
@@ -88,19 +93,19 @@ def draft_step(model: ToyModel, roots, offset, shape, iid, gen):
     return cand, parents.expand(bsz, n), p, q
 
 
-def first_two_tokens(model, shape, iid, seed, root=0):
+def first_two_tokens(model, shape, iid, seed, root=0, method="rejection"):
     """Long [B, 2]: the first two emitted tokens of B independent requests."""
     gen = torch.Generator().manual_seed(seed)
     roots = torch.full((SAMPLES,), root, dtype=torch.long)
     cand, parents, p, q = draft_step(model, roots, 0, shape, iid, gen)
-    res = S.verify(cand, parents, p, q, method="rejection", uniforms=torch.rand(SAMPLES, cand.shape[1] + 1, generator=gen))
+    res = S.verify(cand, parents, p, q, method=method, uniforms=torch.rand(SAMPLES, cand.shape[1] + 1, generator=gen))
     out = res.output_tokens(cand)[:, :2].clone()
     short = res.num_accepted == 0  # emitted one token: the next verify step supplies the second
     if not bool(short.any()):
         return out
     cand2, parents2, p2, q2 = draft_step(model, out[short, 0], 1, shape, iid, gen)
     u2 = torch.rand(cand2.shape[0], cand2.shape[1] + 1, generator=gen)
-    res2 = S.verify(cand2, parents2, p2, q2, method="rejection", uniforms=u2)
+    res2 = S.verify(cand2, parents2, p2, q2, method=method, uniforms=u2)
     out[short, 1] = res2.output_tokens(cand2)[:, 0]
     return out
 
@@ -121,8 +126,8 @@ def chi_square_pvalue(samples: torch.Tensor, probs: torch.Tensor) -> float:
     return float(stats.chisquare(obs[keep].numpy(), exp.numpy()).pvalue)
 
 
-def lossless_pvalues(model, shape, iid, seed, root=0):
-    out = first_two_tokens(model, shape, iid, seed, root)
+def lossless_pvalues(model, shape, iid, seed, root=0, method="rejection"):
+    out = first_two_tokens(model, shape, iid, seed, root, method)
     p1 = model.P[0, root]  # [V]
     joint = p1.unsqueeze(1) * model.P[1]  # [V, V]: x1, x2
     return (
@@ -136,9 +141,9 @@ def configs():
     that each rule sees all six (temperature, filter) pairs and all three vocabs."""
     pairs = [(t, f) for t in TEMPERATURES for f in (False, True)]
     out = []
-    for rule in ("target_only", "draft_probs"):
+    for rule in RULES:
         for s, shape in enumerate(SHAPES):
-            temp, filtered = pairs[(s + (rule == "draft_probs")) % len(pairs)]
+            temp, filtered = pairs[(s + list(RULES).index(rule)) % len(pairs)]
             vocab = VOCABS[s % len(VOCABS)]
             tag = f"{rule}-{shape}-T{temp}-V{vocab}-{'topk_topp' if filtered else 'nofilter'}"
             out.append(pytest.param(rule, shape, temp, vocab, filtered, id=tag))
@@ -158,14 +163,14 @@ def one_thread():
 def test_first_and_first_two_tokens_follow_the_target(rule, shape, temperature, vocab, filtered):
     seed = zlib.crc32(f"{rule}-{shape}-{temperature}-{vocab}".encode()) % 10_000  # fixed across runs
     model = ToyModel(vocab, temperature, filtered, seed)
-    p_first, p_joint = lossless_pvalues(model, shape, rule == "draft_probs", seed)
+    p_first, p_joint = lossless_pvalues(model, shape, rule == "draft_probs", seed, method=RULES[rule])
     assert p_first >= ALPHA, f"first token: chi-square p = {p_first:.3g} < {ALPHA}"
     assert p_joint >= ALPHA, f"first two tokens: chi-square p = {p_joint:.3g} < {ALPHA}"
 
 
 def test_the_configs_cover_the_grid():
     params = [p.values for p in configs()]
-    for rule in ("target_only", "draft_probs"):
+    for rule in RULES:
         mine = [p for p in params if p[0] == rule]
         assert {(p[2], p[4]) for p in mine} == {(t, f) for t in TEMPERATURES for f in (False, True)}
         assert {p[3] for p in mine} == set(VOCABS) and {p[1] for p in mine} == set(SHAPES)

@@ -197,6 +197,18 @@ def test_seeded_sampling_is_reproducible_and_batch_independent(tree_engine):
     check_seeded_sampling(tree_engine)
 
 
+def test_seeded_output_does_not_depend_on_the_drafts(engine, target, specplug_head, tree_engine):
+    """A seeded request's draw for each position is fixed by (seed, position): stage chain,
+    stage tree (other drafts, other accepted lengths) and a batch with other requests
+    give it the same tokens."""
+    seeded = [params(max_tokens=32, temperature=0.9, seed=s) for s in (11, 12)]
+    chain = token_ids(engine(target, specplug_head).generate(PROMPTS[:2], seeded, use_tqdm=False))
+    tree = token_ids(tree_engine.generate(PROMPTS[:2], seeded, use_tqdm=False))
+    mates = [params(max_tokens=32, temperature=0.9, seed=s) for s in (1, 2, 3)]
+    batch = token_ids(tree_engine.generate(PROMPTS[2:5] + PROMPTS[:2], mates + seeded, use_tqdm=False))[3:]
+    assert chain == tree == batch
+
+
 # The constant target draws i.i.d. tokens from a fixed p (CONSTANT_TARGET_LOGITS plus a
 # negligible rest). The two-token head drafts trees over tokens 100 and 101 (topk 2:
 # both children at every node, so siblings are tested in order against residuals).
