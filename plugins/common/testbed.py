@@ -52,7 +52,7 @@ def testbed_root(cache: str | os.PathLike | None = None) -> Path:
 
 
 @contextlib.contextmanager
-def _locked(path: Path):
+def file_lock(path: Path):
     """Exclusive inter-process lock on `path` (created if missing)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w") as handle:
@@ -67,7 +67,7 @@ def target_dir(cache: str | os.PathLike | None = None, *, rebuild: bool = False)
     """The converted SmolLM2-135M-Instruct folder, built on first use (≈20-60 s, cached)."""
     root = testbed_root(cache)
     out = root / TARGET_NAME
-    with _locked(root / f".{TARGET_NAME}.lock"):
+    with file_lock(root / f".{TARGET_NAME}.lock"):
         if rebuild and out.exists():
             shutil.rmtree(out)
         if not (out / MARKER).is_file():
@@ -151,7 +151,7 @@ def head_dir(name: str, cache: str | os.PathLike | None = None, *, target: str |
     root = testbed_root(cache)
     out = root / "heads" / name
     stamp = hashlib.sha256((source / train_medusa.RESBLOCKS_FILE).read_bytes()).hexdigest()[:16]
-    with _locked(root / f".heads-{name}.lock"):
+    with file_lock(root / f".heads-{name}.lock"):
         marker = out / MARKER
         if not marker.is_file() or json.loads(marker.read_text()).get("stamp") != stamp:
             tmp = root / "heads" / f".tmp-{name}-{os.getpid()}"

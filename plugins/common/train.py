@@ -1,17 +1,19 @@
-"""`specplug train`: EAGLE-3 and Medusa heads for a Hugging Face causal LM, no hidden-state dumps.
+"""`specplug train`: EAGLE-3 and Medusa heads for a Hugging Face causal LM.
 
-The frozen target runs on every batch and the head trains on its hidden states right
-away (`target_pass`), so nothing is written to disk but checkpoints. The method-specific
-parts (head construction, loss, saving) live in `train_eagle3` and `train_medusa`; this
-module owns the settings (`TrainConfig`, the ONE place for defaults), the up-front checks
-that fail before any long work, the data (chat conversations -> token ids + a mask of
-assistant tokens), the loop (tqdm bar with loss / per-position accuracy / ETA, periodic
-checkpoint, resume) and the command line.
+The head trains on the frozen target's states: written once before the loop into a
+memory-mapped cache (`train_cache`, the default) or recomputed by a live forward on
+every batch (`--no-states-cache`, `target_pass`). The method-specific parts (head
+construction, loss, saving) live in `train_eagle3` and `train_medusa`, the loop (LR
+schedule, checkpoints, stopping, progress, throughput) in `train_loop`; this module owns
+the settings (`TrainConfig`, the ONE place for defaults), the up-front checks that fail
+before any long work, the data (chat conversations -> token ids + a mask of assistant
+tokens), the target and the command line.
 
 Layout of an output folder:
   OUT/config.json + weights     the head in its method's default (or --format) format
+  OUT/training.json             settings, losses, accuracies, tokens/s per epoch
   OUT/checkpoint/               training state: head.safetensors (fp32 trainable
-                                tensors + fixed buffers), optimizer.pt, state.json
+                                tensors + fixed buffers), optimizer.pt, rng.pt, state.json
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import logging
 import math
 import os
 import random
-import time
+import signal
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -40,8 +42,11 @@ CHECKPOINT = "checkpoint"
 class TrainConfig:
     """All training settings and their defaults (the CLI reads its defaults from here).
 
-    steps / minutes: stop at whichever comes first (steps defaults to 1000 when neither
-    is given). max_length: tokens per sample (longer conversations are cut).
+    steps / epochs: the length of the run and of its LR schedule, in optimizer steps
+    (epochs are converted: ceil(epochs * samples / batch_size) target passes x reuse);
+    1000 steps when neither is given. minutes: a budget per SITTING, not the schedule:
+    the run checkpoints and stops, and `--resume` continues it (same data order, same LR).
+    max_length: tokens per sample (longer conversations are cut).
     ttt_steps: EAGLE-3 training-time-test steps unrolled per batch (step j drafts the
     token j+1 places past the first draft). step_decay: loss weight of step / head j
     is step_decay**j. draft_vocab_size: EAGLE-3 draft vocabulary (most frequent
@@ -57,6 +62,11 @@ class TrainConfig:
     regen_batch_size: prompts generated at once (default batch_size; generation holds no
     gradients, so it can be several times larger).
     Cached under $SPECPLUG_CACHE/regenerated (see `regenerate`).
+    states_cache: train from the target's states written once (`train_cache`) instead of
+    a live target forward per batch; states_cache_dir: its folder (default
+    $SPECPLUG_CACHE/states/KEY). threads: torch.set_num_threads (None = torch's default).
+    log_file: progress lines (step, loss, accuracy, tokens/s, ETA) every log_every steps
+    and at least once a minute, plus the run's log, for runs in the background.
     """
 
     method: str
@@ -64,6 +74,7 @@ class TrainConfig:
     out: str
     data: str = "sharegpt"
     steps: int | None = None
+    epochs: float | None = None
     minutes: float | None = None
     max_samples: int | None = None
     max_length: int = 512
@@ -93,12 +104,17 @@ class TrainConfig:
     regenerate: bool = False
     regen_temperature: float = 0.0
     regen_batch_size: int | None = None
+    states_cache: bool = True
+    states_cache_dir: str | None = None
+    threads: int | None = None
+    log_file: str | None = None
+    log_every: int = 10
 
     def __post_init__(self):
         if self.method not in METHODS:
             raise ValueError(f"method must be one of {METHODS}, got {self.method!r}")
         for name in ("max_length", "batch_size", "ttt_steps", "draft_vocab_size", "num_heads",
-                     "checkpoint_every", "topk", "reuse", "regen_batch"):
+                     "checkpoint_every", "topk", "reuse", "regen_batch", "log_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_length < 8:
@@ -107,6 +123,13 @@ class TrainConfig:
             raise ValueError(f"regen_temperature must be >= 0 (0 = greedy), got {self.regen_temperature}")
         if self.steps is not None and self.steps < 1:
             raise ValueError(f"steps must be >= 1, got {self.steps}")
+        if self.epochs is not None and (self.epochs <= 0 or self.steps is not None):
+            raise ValueError(f"epochs must be > 0 and exclude --steps (both set the schedule's length), "
+                             f"got epochs={self.epochs}, steps={self.steps}")
+        if self.threads is not None and self.threads < 1:
+            raise ValueError(f"threads must be >= 1, got {self.threads}")
+        if self.states_cache_dir and not self.states_cache:
+            raise ValueError("--states-cache PATH and --no-states-cache exclude each other")
         if self.resume and self.overwrite:
             raise ValueError("--resume and --overwrite exclude each other: resume keeps the checkpoint, "
                              "overwrite deletes it")
@@ -115,9 +138,13 @@ class TrainConfig:
     def regen_batch(self) -> int:
         return self.regen_batch_size or self.batch_size
 
-    @property
-    def max_steps(self) -> int:
-        return self.steps if self.steps is not None else (10**9 if self.minutes else 1000)
+    def schedule_steps(self, num_samples: int) -> int:
+        """Optimizer steps of the whole run (the LR schedule's length; where it ends)."""
+        if self.steps is not None:
+            return self.steps
+        if self.epochs is not None:
+            return math.ceil(self.epochs * num_samples / self.batch_size) * self.reuse
+        return 1000
 
 
 # ---------------------------------------------------------------------------------------
@@ -348,23 +375,15 @@ def regenerate(target, tokenizer, conversations: list[list[dict]], cfg: TrainCon
     return regenerated
 
 
-@torch.no_grad()
 def _generate_replies(target, tokenizer, texts: list[str], cfg: TrainConfig) -> list[str]:
-    """The target's replies to chat-templated prompt texts, decoded without special tokens."""
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    encoded = [tokenizer(t, add_special_tokens=False)["input_ids"][-(cfg.max_length - 1):] for t in texts]
-    width = max(len(e) for e in encoded)
-    ids = torch.full((len(encoded), width), pad_id, dtype=torch.long)
-    mask = torch.zeros_like(ids)  # [B, width]: 1 on every prompt token, 0 on the left padding
-    for row, e in enumerate(encoded):
-        ids[row, width - len(e):] = torch.tensor(e)
-        mask[row, width - len(e):] = 1
-    sampling = {"do_sample": True, "temperature": cfg.regen_temperature} if cfg.regen_temperature > 0 \
-        else {"do_sample": False}
-    out = target.generate(input_ids=ids.to(cfg.device), attention_mask=mask.to(cfg.device),
-                          max_new_tokens=max(1, cfg.max_length - min(len(e) for e in encoded)),
-                          pad_token_id=pad_id, eos_token_id=tokenizer.eos_token_id, **sampling)
-    return [tokenizer.decode(row, skip_special_tokens=True).strip() for row in out[:, width:].tolist()]
+    """The target's replies to chat-templated prompt texts, up to max_length tokens in all
+    for the batch's shortest prompt, decoded without special tokens."""
+    from specplug.common.distill import generate_replies
+
+    shortest = min(len(tokenizer(t, add_special_tokens=False)["input_ids"][-(cfg.max_length - 1):]) for t in texts)
+    return generate_replies(target, tokenizer, texts, max_new_tokens=max(1, cfg.max_length - shortest),
+                            temperature=cfg.regen_temperature, max_prompt_tokens=cfg.max_length - 1,
+                            device=cfg.device)
 
 
 class Batch(NamedTuple):
@@ -387,10 +406,15 @@ def collate(samples: list[Sample], pad_id: int) -> Batch:
     return Batch(ids, attn, loss)
 
 
-def batch_at(samples: list[Sample], step: int, batch_size: int, pad_id: int) -> Batch:
-    """The step-th batch of an endless pass over samples (deterministic, so resume is exact)."""
+def batch_indices(step: int, batch_size: int, num_samples: int) -> list[int]:
+    """Sample indices of the step-th batch of an endless pass (a pure function: resume is exact)."""
     start = step * batch_size
-    return collate([samples[(start + i) % len(samples)] for i in range(batch_size)], pad_id)
+    return [(start + i) % num_samples for i in range(batch_size)]
+
+
+def batch_at(samples: list[Sample], step: int, batch_size: int, pad_id: int) -> Batch:
+    """The step-th batch of an endless pass over samples (`batch_indices`, collated)."""
+    return collate([samples[i] for i in batch_indices(step, batch_size, len(samples))], pad_id)
 
 
 def shift_left(x: torch.Tensor, n: int, fill: float | int = 0) -> torch.Tensor:
@@ -407,9 +431,29 @@ def shift_left(x: torch.Tensor, n: int, fill: float | int = 0) -> torch.Tensor:
 # The frozen target
 # ---------------------------------------------------------------------------------------
 class TargetOutput(NamedTuple):
+    """The frozen target's states for a batch: from a live pass (`target_pass`, logits
+    given) or from cached states (`train_cache`: logits None, top1 and lm_head given).
+    Losses read scores through `scores` / `argmax`, which agree on both: the cached view
+    computes only the vocab columns asked for, from the cached last hidden state."""
+
     last_hidden: torch.Tensor  # [B, T, H] after the final norm (what the lm_head reads)
-    logits: torch.Tensor  # [B, T, V] float32: position t scores token t + 1
+    logits: torch.Tensor | None  # [B, T, V] float32: position t scores token t + 1
     aux: torch.Tensor | None  # [B, T, 3H] concatenated aux hidden states (EAGLE-3), else None
+    top1: torch.Tensor | None = None  # [B, T] the target's full-vocab argmax (cached states)
+    lm_head: torch.nn.Module | None = None  # the target's output layer (cached states)
+
+    def scores(self, columns: torch.Tensor | None = None) -> torch.Tensor:
+        """float32 target logits [B, T, V], or [B, T, len(columns)] for those vocab ids only."""
+        if self.logits is not None:
+            return self.logits if columns is None else self.logits[..., columns]
+        weight, bias = self.lm_head.weight, getattr(self.lm_head, "bias", None)
+        if columns is not None:
+            weight, bias = weight[columns], (bias[columns] if bias is not None else None)
+        return torch.nn.functional.linear(self.last_hidden.to(weight.dtype), weight, bias).float()
+
+    def argmax(self) -> torch.Tensor:
+        """The target's top-1 token id at each position over its full vocab: [B, T]."""
+        return self.top1 if self.top1 is not None else self.logits.argmax(-1)
 
 
 @torch.no_grad()
@@ -438,7 +482,7 @@ def load_target(path: str, device: str = "cpu"):
 
 
 # ---------------------------------------------------------------------------------------
-# The loop
+# A run: set up, loop (`train_loop`), output
 # ---------------------------------------------------------------------------------------
 def method_module(method: str):
     """The module implementing one method's head, loss and output."""
@@ -449,38 +493,12 @@ def method_module(method: str):
     return module
 
 
-def lr_at(step: int, cfg: TrainConfig, elapsed: float | None = None) -> float:
-    """Linear warm-up, then cosine decay to 10% over the budget: the step count when --steps
-    is given, else the wall clock of --minutes (`elapsed` seconds so far); constant when
-    neither is known."""
-    if step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
-    if cfg.steps is not None:
-        progress = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
-    elif cfg.minutes and elapsed is not None:
-        progress = elapsed / (60 * cfg.minutes)
-    else:
-        return cfg.lr
-    progress = min(1.0, progress)
-    return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
-
-
 class OutputContext(NamedTuple):
     """What a method's save_output may need beyond the head: the target, held-out samples."""
 
     target: Any
     heldout: list  # list[Sample], never trained on
     pad_id: int
-
-
-def _write_training_record(out: Path, cfg: TrainConfig, state: dict) -> None:
-    """OUT/training.json: settings, steps, time, loss ends and final accuracies (for the record)."""
-    losses = state["losses"]
-    record = {"config": _config_dict(cfg), "steps": state["step"], "minutes": round(state["seconds"] / 60, 2),
-              "first_loss": losses[0] if losses else None, "last_loss": losses[-1] if losses else None,
-              "accuracy_top1_by_position": state.get("accuracy", []),
-              "head_accuracies": state.get("head_accuracies"), "eval": state.get("eval")}
-    (out / "training.json").write_text(json.dumps(record, indent=2) + "\n")
 
 
 @dataclass
@@ -493,20 +511,42 @@ class TrainResult:
     accuracy: list[float]  # per step position (EAGLE-3) or head (Medusa), top-1, last window
     files: list[str]
     eval: dict | None = None  # train_eval.evaluate's report (greedy, MT-bench), when run
+    schedule_steps: int = 0  # steps of the whole run (steps < schedule_steps: stopped early)
+    stopped: str | None = None  # None = finished; "minutes" / "SIGINT" / "SIGTERM": --resume continues
 
 
 def train(cfg: TrainConfig) -> TrainResult:
-    """Train a head as `cfg` says; returns what was written and the loss curve's ends."""
+    """Train a head as `cfg` says; returns what was written and the loss curve's ends.
+
+    A sitting stopped early (--minutes, SIGINT, SIGTERM) writes its checkpoint and
+    training.json; after --minutes also the head so far; the final eval runs only at the
+    schedule's end."""
+    from specplug.common import train_loop
+
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
     out = check_output(cfg)
     target_config = check_target(cfg.target)
     check_memory(cfg, target_config)
     method = method_module(cfg.method)
     method.preflight(cfg, target_config)
     convs = load_conversations(cfg.data)
-    target, tokenizer = load_target(cfg.target, cfg.device)
-    rewrite = (lambda chosen: regenerate(target, tokenizer, chosen, cfg)) if cfg.regenerate else None
-    samples, heldout = build_samples(tokenizer, convs, cfg, rewrite)
-    logger.info("%d training samples, %d assistant tokens", len(samples), sum(sum(s.loss_mask) for s in samples))
+    with train_loop.log_to_file(cfg.log_file):
+        target, tokenizer = load_target(cfg.target, cfg.device)
+        rewrite = (lambda chosen: regenerate(target, tokenizer, chosen, cfg)) if cfg.regenerate else None
+        samples, heldout = build_samples(tokenizer, convs, cfg, rewrite)
+        logger.info("%d training samples, %d tokens, %d assistant tokens", len(samples),
+                    sum(len(s.input_ids) for s in samples), sum(sum(s.loss_mask) for s in samples))
+        run, state = _start(cfg, method, target, tokenizer, samples, out)
+        stopped = train_loop.run_loop(run, state)
+        return _finish(run, state, tokenizer, heldout, stopped)
+
+
+def _start(cfg: TrainConfig, method, target, tokenizer, samples: list[Sample], out: Path):
+    """(train_loop.Run, state) of this sitting: a new head, or the checkpoint's head,
+    optimizer and RNG states (--resume); the cached target states opened (written if new)."""
+    from specplug.common import train_loop
+
     if cfg.overwrite and (out / CHECKPOINT).is_dir():
         import shutil
         shutil.rmtree(out / CHECKPOINT)
@@ -517,16 +557,44 @@ def train(cfg: TrainConfig) -> TrainResult:
         head, state = method.build_head(target, samples, cfg), {"step": 0, "losses": [], "seconds": 0.0}
     optimizer = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=cfg.lr,
                                   weight_decay=cfg.weight_decay)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    schedule = cfg.schedule_steps(len(samples))
+    train_loop.note_schedule(state, schedule, cfg)
+    states = _states_cache(cfg, method, head, target, samples, pad_id, state)
     if cfg.resume:
         optimizer.load_state_dict(torch.load(out / CHECKPOINT / "optimizer.pt", weights_only=True))
-    state = _loop(cfg, method, head, target, tokenizer, samples, optimizer, state, out)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    files = method.save_output(head, out, cfg, state, OutputContext(target, heldout, pad_id))
-    state["eval"] = final_eval(out, target, tokenizer, cfg)
-    _write_training_record(out, cfg, state)
+        train_loop.restore_rng(out / CHECKPOINT)
+    return train_loop.Run(cfg, method, head, target, samples, optimizer, out, pad_id, schedule, states), state
+
+
+def _states_cache(cfg: TrainConfig, method, head, target, samples: list[Sample], pad_id: int, state: dict):
+    """The reader of the cached target states (written now when missing); None with
+    --no-states-cache. state["states_cache"] records the sitting that wrote them."""
+    if not cfg.states_cache:
+        return None
+    from specplug.common import train_cache
+
+    reader, info = train_cache.open_states(cfg, target, samples, method.aux_ids(head, target), pad_id)
+    if info["written"] or "states_cache" not in state:
+        state["states_cache"] = info
+    return reader
+
+
+def _finish(run, state: dict, tokenizer, heldout: list[Sample], stopped: str | None) -> TrainResult:
+    """Write the head (not after a signal), run the final eval (only when finished) and
+    training.json; the result."""
+    from specplug.common import train_loop
+
+    files: list[str] = []
+    if stopped in (None, "minutes"):
+        context = OutputContext(run.target, heldout, run.pad_id)
+        files = run.method.save_output(run.head, run.out, run.cfg, state, context)
+    state["eval"] = final_eval(run.out, run.target, tokenizer, run.cfg) if stopped is None else None
+    train_loop.write_training_record(run, state, stopped)
     losses = state["losses"]
-    return TrainResult(str(out), state["step"], state["seconds"], losses[0] if losses else float("nan"),
-                       losses[-1] if losses else float("nan"), state.get("accuracy", []), files, state["eval"])
+    return TrainResult(str(run.out), state["step"], state["seconds"], losses[0] if losses else float("nan"),
+                       losses[-1] if losses else float("nan"), state.get("accuracy", []), files, state["eval"],
+                       run.schedule, stopped)
 
 
 def final_eval(out: Path, target, tokenizer, cfg: TrainConfig) -> dict | None:
@@ -540,89 +608,6 @@ def final_eval(out: Path, target, tokenizer, cfg: TrainConfig) -> dict | None:
     logger.info("reference loop, %d MT-bench prompts x %d tokens, greedy: tau %.2f, acceptance by position %s",
                 cfg.eval_prompts, cfg.eval_tokens, report["tau"], report["acceptance_per_position"])
     return report
-
-
-def _loop(cfg, method, head, target, tokenizer, samples, optimizer, state, out) -> dict:
-    from tqdm.auto import tqdm
-
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    start, step0 = time.perf_counter(), state["step"]
-    total = cfg.max_steps if cfg.steps is not None or not cfg.minutes else None
-    bar = tqdm(total=total, initial=step0, desc=f"train {cfg.method}", unit="step", dynamic_ncols=True)
-    window: list[torch.Tensor] = []
-    head.train()
-    while state["step"] < cfg.max_steps:
-        if cfg.minutes and state["seconds"] + time.perf_counter() - start >= 60 * cfg.minutes:
-            break
-        cpu_batch = batch_at(samples, state["step"] // cfg.reuse, cfg.batch_size, pad_id)
-        batch = Batch(*(t.to(cfg.device) for t in cpu_batch))
-        tgt = target_pass(target, batch, method.aux_ids(head, target))
-        for _ in range(min(cfg.reuse - state["step"] % cfg.reuse, cfg.max_steps - state["step"])):
-            elapsed = state["seconds"] + time.perf_counter() - start
-            accuracy = _update(cfg, method, head, optimizer, tgt, batch, state, elapsed)
-            window = (window + [accuracy])[-20:]
-            state["accuracy"] = [round(float(a), 4) for a in torch.stack(window).mean(0)]
-            bar.update(1)
-            bar.set_postfix_str(_postfix(state, cfg, start), refresh=False)
-            if state["step"] % cfg.checkpoint_every == 0:
-                save_checkpoint(method, head, optimizer, state, cfg, out, start)
-    bar.close()
-    state["seconds"] += time.perf_counter() - start
-    save_checkpoint(method, head, optimizer, state, cfg, out, None)
-    return state
-
-
-def _update(cfg, method, head, optimizer, tgt: TargetOutput, batch: Batch, state: dict,
-            elapsed: float) -> torch.Tensor:
-    """One optimizer step on one target pass; returns the step's accuracy by position."""
-    loss, accuracy = method.loss(head, tgt, batch, cfg)
-    for group in optimizer.param_groups:
-        group["lr"] = lr_at(state["step"], cfg, elapsed)
-    optimizer.zero_grad(set_to_none=True)
-    loss.backward()
-    torch.nn.utils.clip_grad_norm_([p for p in head.parameters() if p.requires_grad], cfg.grad_clip)
-    optimizer.step()
-    state["step"] += 1
-    state["losses"].append(loss.item())
-    return accuracy
-
-
-def _postfix(state: dict, cfg: TrainConfig, start: float) -> str:
-    recent = state["losses"][-20:]
-    acc = "/".join(f"{a:.2f}" for a in state["accuracy"])
-    text = f"loss {sum(recent) / len(recent):.3f} acc@pos {acc}"
-    if cfg.minutes:
-        left = 60 * cfg.minutes - state["seconds"] - (time.perf_counter() - start)
-        text += f" left {max(0.0, left) / 60:.1f} min"
-    return text
-
-
-def save_checkpoint(method, head, optimizer, state: dict, cfg: TrainConfig, out: Path,
-                    start: float | None) -> None:
-    """Write OUT/checkpoint atomically (a crash mid-write leaves the previous one)."""
-    from safetensors.torch import save_file
-
-    final = out / CHECKPOINT
-    tmp = out / f".{CHECKPOINT}.tmp"
-    tmp.mkdir(parents=True, exist_ok=True)
-    saved = dict(state, seconds=state["seconds"] + (time.perf_counter() - start if start else 0.0),
-                 config=_config_dict(cfg))
-    save_file({k: v.detach().contiguous() for k, v in method.checkpoint_tensors(head).items()},
-              str(tmp / "head.safetensors"))
-    torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
-    (tmp / "head_config.json").write_text(json.dumps(method.head_config(head), indent=2) + "\n")
-    (tmp / "state.json").write_text(json.dumps(saved) + "\n")
-    if final.exists():
-        import shutil
-        shutil.rmtree(final)
-    tmp.rename(final)
-    logger.debug("checkpoint at step %d", state["step"])
-
-
-def _config_dict(cfg: TrainConfig) -> dict:
-    d = dataclasses.asdict(cfg)
-    d["aux_layer_ids"] = list(cfg.aux_layer_ids) if cfg.aux_layer_ids else None
-    return d
 
 
 def read_checkpoint_state(ckpt: Path) -> tuple[dict, dict[str, torch.Tensor], dict]:
@@ -652,8 +637,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", required=True, help="output folder for the head and its checkpoint")
     parser.add_argument("--data", default=d["data"], help="'sharegpt' or a ShareGPT-style .json/.jsonl file")
     parser.add_argument("--steps", type=int, default=None,
-                        help="optimizer steps (1000 if neither --steps nor --minutes)")
-    parser.add_argument("--minutes", type=float, default=None, help="wall-clock budget; stops at the first limit hit")
+                        help="optimizer steps of the whole run = the LR schedule's length (default: 1000, "
+                             "or --epochs)")
+    parser.add_argument("--epochs", type=float, default=None,
+                        help="passes over the training samples, converted to --steps (excludes --steps)")
+    parser.add_argument("--minutes", type=float, default=None,
+                        help="wall-clock budget of THIS sitting: checkpoint and stop, then rerun with --resume "
+                             "(the LR schedule follows --steps / --epochs only)")
     parser.add_argument("--max-samples", type=int, default=None, help="use at most this many conversations")
     for name, kind in (("max_length", int), ("batch_size", int), ("lr", float), ("warmup_steps", int),
                        ("seed", int), ("checkpoint_every", int), ("reuse", int), ("heldout_samples", int),
@@ -673,7 +663,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="--regenerate sampling temperature (0 = greedy)")
     parser.add_argument("--regen-batch-size", type=int, default=None,
                         help="--regenerate: prompts generated at once (default --batch-size)")
-    parser.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint")
+    parser.add_argument("--states-cache", default=None, metavar="PATH",
+                        help="folder of the cached target states (default $SPECPLUG_CACHE/states/KEY, "
+                             "KEY hashing target, samples and aux layers)")
+    parser.add_argument("--no-states-cache", action="store_true",
+                        help="no cached target states: a live target forward on every batch")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch CPU threads (torch.set_num_threads; default: torch's)")
+    parser.add_argument("--log-file", default=None, metavar="PATH",
+                        help="append progress lines (step, loss, accuracy, tokens/s, ETA) and the log to PATH, "
+                             "for runs in the background")
+    parser.add_argument("--log-every", type=int, default=d["log_every"],
+                        help="--log-file: a progress line every N steps (and at least once a minute)")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue from OUT/checkpoint (same data order, same LR schedule)")
     parser.add_argument("--overwrite", action="store_true", help="replace a head or checkpoint in OUT")
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
 
@@ -702,7 +705,9 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         draft_vocab_size=args.draft_vocab_size, aux_layer_ids=aux, num_heads=args.heads,
         num_layers=args.num_layers, topk=args.topk, format=args.format, save_dtype=args.save_dtype,
         resume=args.resume, overwrite=args.overwrite, device=args.device, regenerate=args.regenerate,
-        regen_temperature=args.regen_temperature, regen_batch_size=args.regen_batch_size)
+        regen_temperature=args.regen_temperature, regen_batch_size=args.regen_batch_size, epochs=args.epochs,
+        states_cache=not args.no_states_cache, states_cache_dir=args.states_cache, threads=args.threads,
+        log_file=args.log_file, log_every=args.log_every)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -714,6 +719,9 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if args.json:
         print(json.dumps(dataclasses.asdict(result), indent=2))
+    elif result.stopped:
+        print(f"stopped ({result.stopped}) at step {result.steps} of {result.schedule_steps}: checkpoint in "
+              f"{result.out}/{CHECKPOINT}; rerun the same command with --resume to continue")
     else:
         print(f"wrote {result.out} after {result.steps} steps ({result.seconds / 60:.1f} min): "
               f"loss {result.first_loss:.3f} -> {result.last_loss:.3f}, "
@@ -721,4 +729,4 @@ def run(args: argparse.Namespace) -> int:
         if result.eval:
             print(f"reference loop on {result.eval['eval']['prompts']} MT-bench prompts (greedy): "
                   f"tau {result.eval['tau']}, acceptance by position {result.eval['acceptance_per_position']}")
-    return 0
+    return 128 + int(getattr(signal, result.stopped)) if result.stopped in ("SIGINT", "SIGTERM") else 0

@@ -142,10 +142,14 @@ def loss(head: Eagle3Head, tgt: TargetOutput, batch: Batch, cfg: TrainConfig):
     """Weighted soft cross-entropy over cfg.ttt_steps unrolled steps.
 
     Returns (loss, accuracy [ttt_steps]) where accuracy[j] is the fraction of scored rows
-    whose draft top-1 (mapped to a target id) equals the target's top-1.
+    whose draft top-1 (mapped to a target id) equals the target's top-1 (over its full
+    vocab). Reads the target's scores on the draft vocab only (`TargetOutput.scores`), so
+    cached states need no full-vocab matmul.
     """
     b, t = batch.input_ids.shape
     vocab_ids = draft_token_ids(head)  # [draft_vocab]
+    target_scores = tgt.scores(vocab_ids)  # [B, T, draft_vocab] float32
+    target_top1 = tgt.argmax()  # [B, T] target ids
     hidden = head.combine(tgt.aux)  # [B, T, H]
     base = torch.arange(t, device=hidden.device)[None].expand(b, t)  # [B, T]
     past, total, accuracy = None, 0.0, []
@@ -155,12 +159,11 @@ def loss(head: Eagle3Head, tgt: TargetOutput, batch: Batch, cfg: TrainConfig):
         logits = head.compute_logits(out.normed)  # [B, T, draft_vocab]
         rows = shift_left(batch.loss_mask, j + 2).bool()  # token i+j+2 is an assistant token
         bi, ti = rows.nonzero(as_tuple=True)
-        p_full = tgt.logits[bi, ti + j + 1]  # [N, vocab] target scores for token i+j+2
-        p = F.softmax(p_full[:, vocab_ids], dim=-1)  # [N, draft_vocab]
+        p = F.softmax(target_scores[bi, ti + j + 1], dim=-1)  # [N, draft_vocab] target probs of token i+j+2
         logq = F.log_softmax(logits[bi, ti].float(), dim=-1)  # [N, draft_vocab]
         step_loss = -(p * logq).sum(-1).mean() if len(bi) else logits.sum() * 0.0
         total = total + cfg.step_decay ** j * step_loss
-        hit = vocab_ids[logq.argmax(-1)] == p_full.argmax(-1)
+        hit = vocab_ids[logq.argmax(-1)] == target_top1[bi, ti + j + 1]
         accuracy.append(hit.float().mean() if len(bi) else torch.tensor(0.0))
         k, v = out.kv
         past = (k, v) if past is None else (torch.cat([past[0], k], 2), torch.cat([past[1], v], 2))

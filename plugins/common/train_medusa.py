@@ -68,7 +68,11 @@ def tie_to_target(heads: MedusaHeads, target) -> None:
 
 def loss(heads: MedusaHeads, tgt: TargetOutput, batch: Batch, cfg: TrainConfig):
     """Weighted soft cross-entropy of each head against the target's distribution
-    k+1 positions later. Returns (loss, top-1 accuracy [heads])."""
+    k+1 positions later. Returns (loss, top-1 accuracy [heads]): the head's top-1 against
+    the target's. Needs the target's full-vocab scores (computed once per batch from
+    cached states)."""
+    target_scores = tgt.scores()  # [B, T, vocab] float32
+    target_top1 = tgt.argmax()  # [B, T]
     total, accuracy = 0.0, []
     for k, head in enumerate(heads):
         rows = shift_left(batch.loss_mask, k + 2).bool()  # token t+k+2 is an assistant token
@@ -77,9 +81,9 @@ def loss(heads: MedusaHeads, tgt: TargetOutput, batch: Batch, cfg: TrainConfig):
             accuracy.append(torch.tensor(0.0))
             continue
         logq = F.log_softmax(head(tgt.last_hidden[bi, ti]).float(), dim=-1)  # [N, vocab]
-        p = F.softmax(tgt.logits[bi, ti + k + 1], dim=-1)  # [N, vocab]
+        p = F.softmax(target_scores[bi, ti + k + 1], dim=-1)  # [N, vocab]
         total = total + cfg.step_decay ** k * -(p * logq).sum(-1).mean()
-        accuracy.append((logq.argmax(-1) == p.argmax(-1)).float().mean().detach())
+        accuracy.append((logq.argmax(-1) == target_top1[bi, ti + k + 1]).float().mean().detach())
     return total, torch.stack(accuracy)
 
 

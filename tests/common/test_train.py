@@ -8,9 +8,20 @@ import torch
 
 from specplug.common import formats
 from specplug.common import train as T
+from specplug.common import train_cache as C
 from specplug.common import train_eagle3 as E
+from specplug.common import train_loop as L
 from specplug.common import train_medusa as M
 from specplug.common.heads import Eagle3Head, MedusaHeads
+
+@pytest.fixture(scope="module", autouse=True)
+def fresh_states_cache(tiny_llama_path, tmp_path_factory):
+    """Cached target states of this module's runs go to a fresh $SPECPLUG_CACHE (the tiny
+    model is built, or found, in the usual cache first)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("SPECPLUG_CACHE", str(tmp_path_factory.mktemp("cache")))
+        yield
+
 
 @pytest.fixture(scope="module", autouse=True)
 def one_thread():
@@ -122,6 +133,74 @@ def test_resume_continues_from_the_checkpoint(tiny_llama_path, counting_data, tm
     state = json.loads((tmp_path / "h" / "checkpoint" / "state.json").read_text())
     assert len(state["losses"]) == 6
     assert torch.equal(formats.load_head(tmp_path / "h").state_dict["d2t"], first)  # never re-derived
+
+
+def _sitting(cfg, monkeypatch, interrupt_at=None):
+    """One `specplug train` sitting; with interrupt_at, SIGINT arrives during that step."""
+    import os
+    import signal
+    update = L._update
+
+    def update_then_interrupt(run, tgt, batch, state):
+        update(run, tgt, batch, state)
+        if state["step"] == interrupt_at:
+            os.kill(os.getpid(), signal.SIGINT)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(L, "_update", update_then_interrupt)
+        return T.train(cfg)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("cached", [False, True], ids=["live", "cached"])
+def test_resume_reproduces_the_uninterrupted_run_exactly(tiny_llama_path, counting_data, tmp_path, monkeypatch,
+                                                         cached):
+    """7 steps with reuse 2 in one sitting, against: SIGINT during step 3 (mid target pass),
+    a --minutes sitting that makes one step, and a --resume to the end. Same losses, same
+    head, bit for bit; the later sittings read the cache the first one wrote."""
+    def cfg(out, **kw):
+        return _config("eagle3", tiny_llama_path, tmp_path / out, counting_data, steps=7, reuse=2,
+                       checkpoint_every=100, states_cache=cached, **kw)
+
+    whole = T.train(cfg("whole"))
+    assert whole.stopped is None and whole.steps == whole.schedule_steps == 7
+    first = _sitting(cfg("parts", log_file=str(tmp_path / "parts.log"), log_every=1), monkeypatch, interrupt_at=3)
+    assert (first.steps, first.stopped, first.files) == (3, "SIGINT", [])  # checkpoint only, no head yet
+    if cached:
+        monkeypatch.setattr(C, "write_states", lambda *a, **k: pytest.fail("rewrote the cached states"))
+    second = T.train(cfg("parts", resume=True, minutes=1e-9))
+    assert (second.steps, second.stopped, second.schedule_steps) == (4, "minutes", 7) and second.files
+    last = T.train(cfg("parts", resume=True))
+    assert last.stopped is None and last.steps == 7
+    losses = [json.loads((tmp_path / out / "checkpoint" / "state.json").read_text())["losses"]
+              for out in ("whole", "parts")]
+    assert len(losses[0]) == 7 and losses[0] == losses[1]
+    a, b = formats.load_head(tmp_path / "whole"), formats.load_head(tmp_path / "parts")
+    assert all(torch.equal(a.state_dict[k], b.state_dict[k]) for k in a.state_dict)
+    record = json.loads((tmp_path / "parts" / "training.json").read_text())
+    assert record["finished"] and record["schedule_steps"] == 7
+    epochs = record["throughput"]["epochs"]  # 4 passes x 4 of the 56 samples: all in epoch 0
+    assert [e["steps"] for e in epochs] == [7] and epochs[0]["tokens_per_s"] > 0
+    assert (record["throughput"]["states_cache"] is not None) == cached
+    log = (tmp_path / "parts.log").read_text()
+    assert "step 3/7 epoch 0.14 loss" in log and "tok/s" in log and "eta" in log
+    assert "SIGINT received: stopped at step 3 of 7" in log and "--resume" in log
+
+
+def test_new_flags_reach_the_config(tmp_path):
+    import argparse
+    parser = argparse.ArgumentParser()
+    T.add_arguments(parser)
+    args = parser.parse_args(["eagle3", "--target", "t", "--out", str(tmp_path), "--epochs", "2.5", "--threads", "1",
+                              "--log-file", "x.log", "--log-every", "5", "--states-cache", "/s", "--minutes", "30"])
+    cfg = T.config_from_args(args)
+    assert (cfg.epochs, cfg.threads, cfg.log_file, cfg.log_every, cfg.minutes) == (2.5, 1, "x.log", 5, 30.0)
+    assert cfg.states_cache and cfg.states_cache_dir == "/s"
+    off = T.config_from_args(parser.parse_args(["medusa", "--target", "t", "--out", "o", "--no-states-cache"]))
+    assert not off.states_cache and off.states_cache_dir is None
+    with pytest.raises(ValueError, match="exclude each other"):
+        T.config_from_args(parser.parse_args(["medusa", "--target", "t", "--out", "o", "--no-states-cache",
+                                              "--states-cache", "/s"]))
 
 
 def test_clear_errors_before_any_work(tiny_llama_path, counting_data, tmp_path):
@@ -287,13 +366,17 @@ def test_regenerate_training_run_writes_a_loadable_head(tiny_llama_path, countin
     assert len(list((tmp_path / "cache" / "regenerated").glob("*.json"))) == 1
 
 
-def test_learning_rate_decays_over_the_step_or_minute_budget(tmp_path):
-    """Warm-up, then cosine to 10% of the peak at the end of whichever budget is known."""
-    steps = T.TrainConfig("medusa", "t", str(tmp_path), steps=110, warmup_steps=10, lr=1.0)
-    assert T.lr_at(0, steps) == pytest.approx(0.1) and T.lr_at(10, steps) == pytest.approx(1.0)
-    assert T.lr_at(60, steps) == pytest.approx(0.55) and T.lr_at(110, steps) == pytest.approx(0.1)
-    minutes = T.TrainConfig("medusa", "t", str(tmp_path), minutes=10, warmup_steps=10, lr=1.0)
-    assert T.lr_at(50, minutes, elapsed=0.0) == pytest.approx(1.0)
-    assert T.lr_at(50, minutes, elapsed=300.0) == pytest.approx(0.55)
-    assert T.lr_at(50, minutes, elapsed=900.0) == pytest.approx(0.1)
-    assert T.lr_at(50, T.TrainConfig("medusa", "t", str(tmp_path), warmup_steps=10, lr=1.0)) == 1.0
+def test_learning_rate_follows_the_step_schedule_only(tmp_path):
+    """Warm-up, then cosine to 10% of the peak at the schedule's last step; --epochs converts
+    to steps, and --minutes (a per-sitting budget) never changes the schedule."""
+    cfg = T.TrainConfig("medusa", "t", str(tmp_path), steps=110, warmup_steps=10, lr=1.0)
+    schedule = cfg.schedule_steps(50)
+    assert schedule == 110
+    assert L.lr_at(0, cfg, schedule) == pytest.approx(0.1) and L.lr_at(10, cfg, schedule) == pytest.approx(1.0)
+    assert L.lr_at(60, cfg, schedule) == pytest.approx(0.55) and L.lr_at(110, cfg, schedule) == pytest.approx(0.1)
+    epochs = T.TrainConfig("medusa", "t", str(tmp_path), epochs=2, batch_size=4, reuse=3)
+    assert epochs.schedule_steps(10) == 5 * 3  # ceil(2 * 10 / 4) target passes x reuse
+    minutes = T.TrainConfig("medusa", "t", str(tmp_path), minutes=10)
+    assert minutes.schedule_steps(10) == 1000 and T.TrainConfig("medusa", "t", str(tmp_path)).schedule_steps(1) == 1000
+    with pytest.raises(ValueError, match="exclude --steps"):
+        T.TrainConfig("medusa", "t", str(tmp_path), steps=5, epochs=1)
