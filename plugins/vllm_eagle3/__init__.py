@@ -40,10 +40,9 @@ def register() -> None:
     _log_like_vllm()
     from vllm.v1.worker import gpu_model_runner
 
-    from specplug.vllm_eagle3.proposer import make_proposer_class
+    from specplug.vllm_eagle3.proposer import SpecplugEagleProposer
 
-    original = gpu_model_runner.EagleProposer
-    gpu_model_runner.EagleProposer = make_proposer_class(original)
+    gpu_model_runner.EagleProposer = SpecplugEagleProposer
     _refuse_model_runner_v2()
     _accept_min_p_and_logit_bias()
     tree_attention = _override_cpu_attention()

@@ -1,6 +1,7 @@
 """The specplug EAGLE-3 proposer for vLLM's V1 model runner.
 
-`SpecplugEagleProposer` replaces vLLM's `EagleProposer` class (see `register()`). With a
+`SpecplugEagleProposer` replaces vLLM's `EagleProposer` class (see `register()`, which
+checks the vLLM version before importing this module). With a
 head whose config.json has no `specplug` section every method is vLLM's own. With a
 specplug head, `propose` drafts an EAGLE-2 dynamic tree per request from the target's
 aux hidden states and hands vLLM one root path of it as its chain (stage A: the path
@@ -23,6 +24,7 @@ import time
 from dataclasses import dataclass
 
 import torch
+from vllm.v1.spec_decode.eagle import EagleProposer
 
 from specplug.vllm_eagle3.adaptive import AdaptiveController
 from specplug.vllm_eagle3.dense_head import DenseEagle3Head, Segment
@@ -60,303 +62,324 @@ class _DraftCache:
         self.key, self.value = torch.cat([self.key, key]), torch.cat([self.value, value])
 
 
-def make_proposer_class(eagle_proposer_cls):
-    """Subclass vLLM's EagleProposer (imported lazily by register())."""
+class SpecplugEagleProposer(EagleProposer):
+    """vLLM's EagleProposer, plus specplug's tree drafting for specplug heads."""
 
-    class SpecplugEagleProposer(eagle_proposer_cls):
-        """vLLM's EagleProposer, plus specplug's tree drafting for specplug heads."""
+    def __init__(self, vllm_config, device, runner=None):
+        super().__init__(vllm_config, device, runner)
+        self.runner = runner  # request ids and discard mask of the batch being drafted
+        section = None
+        if self.method == "eagle3":
+            section = specplug_section(self.draft_model_config.hf_config)
+        self.specplug: AdapterSettings | None = None
+        if section is None:
+            return
+        check_head_matches_target(self.draft_model_config.model, vllm_config.model_config.hf_text_config)
+        self.specplug = adapter_settings(section)
+        check_num_speculative_tokens(self.specplug, self.num_speculative_tokens)
+        self.tree_verifier = None  # stage "tree": a TreeVerifier, built with the runner
+        if self.specplug.stage == "tree":
+            from specplug.vllm_eagle3.tree_verify import check_platform
+            check_platform(vllm_config)
+        self._dense_head: DenseEagle3Head | None = None
+        self._caches: dict[str, _DraftCache] = {}
+        self.adaptive: AdaptiveController | None = None
+        # adaptive mode: rows committed in steps without drafts, caught up lazily;
+        # req_id -> (shifted [n], positions [n], hidden [n, H])
+        self._pending: dict[str, tuple] = {}
+        if self.specplug.adaptive:
+            self.adaptive = AdaptiveController(self.num_speculative_tokens)
+            logger.info("specplug adaptive speculation on: each step drafts 0..%d tokens, chosen by "
+                        "specplug.common.cost from step costs and acceptance measured in this engine",
+                        self.num_speculative_tokens)
+        self.retrieval = self._retrieval_drafter(vllm_config)  # hybrid drafting, or None
+        self.retrieval_only_steps = 0  # steps drafted by retrieval alone (RetrievalConfig.head_skip)
+        self._log_active()
 
-        def __init__(self, vllm_config, device, runner=None):
-            super().__init__(vllm_config, device, runner)
-            self.runner = runner  # request ids and discard mask of the batch being drafted
-            section = None
-            if self.method == "eagle3":
-                section = specplug_section(self.draft_model_config.hf_config)
-            self.specplug: AdapterSettings | None = None
-            if section is None:
-                return
-            check_head_matches_target(self.draft_model_config.model, vllm_config.model_config.hf_text_config)
-            self.specplug = adapter_settings(section)
-            check_num_speculative_tokens(self.specplug, self.num_speculative_tokens)
-            self.tree_verifier = None  # stage "tree": a TreeVerifier, built with the runner
+    def load_model(self, target_model):
+        super().load_model(target_model)
+        if self.specplug is not None and self.runner is not None:
+            # the runner builds its rejection sampler after the drafter: swap it here
+            on_verify = None if self.adaptive is None else self.adaptive.record_verify
             if self.specplug.stage == "tree":
-                from specplug.vllm_eagle3.tree_verify import check_platform
-                check_platform(vllm_config)
-            self._dense_head: DenseEagle3Head | None = None
-            self._caches: dict[str, _DraftCache] = {}
-            self.adaptive: AdaptiveController | None = None
-            # adaptive mode: rows committed in steps without drafts, caught up lazily;
-            # req_id -> (shifted [n], positions [n], hidden [n, H])
-            self._pending: dict[str, tuple] = {}
-            if self.specplug.adaptive:
-                self.adaptive = AdaptiveController(self.num_speculative_tokens)
-                logger.info("specplug adaptive speculation on: each step drafts 0..%d tokens, chosen by "
-                            "specplug.common.cost from step costs and acceptance measured in this engine",
-                            self.num_speculative_tokens)
-            self.retrieval = self._retrieval_drafter(vllm_config)  # hybrid drafting, or None
-            self._log_active()
+                from specplug.vllm_eagle3.tree_verify import TreeVerifier
+                self.tree_verifier = TreeVerifier(self.runner)
+                self.tree_verifier.install()
+                logger.info("specplug stage tree: runner._prepare_inputs and _build_attention_metadata "
+                            "wrapped (tree positions, ancestor mask via CPU_ATTN override, KV "
+                            "compaction after verification)")
+            self.runner.rejection_sampler = SpecplugChainSampler(
+                self.runner.rejection_sampler, on_verify, self.tree_verifier, self._request_params,
+                self._request_positions)
+            logger.info("specplug: runner.rejection_sampler replaced by SpecplugChainSampler "
+                        "(specplug.common.sampling.verify)")
 
-        def load_model(self, target_model):
-            super().load_model(target_model)
-            if self.specplug is not None and self.runner is not None:
-                # the runner builds its rejection sampler after the drafter: swap it here
-                on_verify = None if self.adaptive is None else self.adaptive.record_verify
-                if self.specplug.stage == "tree":
-                    from specplug.vllm_eagle3.tree_verify import TreeVerifier
-                    self.tree_verifier = TreeVerifier(self.runner)
-                    self.tree_verifier.install()
-                    logger.info("specplug stage tree: runner._prepare_inputs and _build_attention_metadata "
-                                "wrapped (tree positions, ancestor mask via CPU_ATTN override, KV "
-                                "compaction after verification)")
-                self.runner.rejection_sampler = SpecplugChainSampler(
-                    self.runner.rejection_sampler, on_verify, self.tree_verifier, self._request_params,
-                    self._request_positions)
-                logger.info("specplug: runner.rejection_sampler replaced by SpecplugChainSampler "
-                            "(specplug.common.sampling.verify)")
-
-        def propose(self, num_speculative_tokens, target_token_ids, target_positions,
-                    target_hidden_states, next_token_ids, token_indices_to_sample,
-                    common_attn_metadata, sampling_metadata, mm_embed_inputs=None,
-                    num_rejected_tokens_gpu=None, slot_mappings=None):
-            if self.specplug is None:
-                return super().propose(
+    def propose(self, num_speculative_tokens, target_token_ids, target_positions,
+                target_hidden_states, next_token_ids, token_indices_to_sample,
+                common_attn_metadata, sampling_metadata, mm_embed_inputs=None,
+                num_rejected_tokens_gpu=None, slot_mappings=None):
+        if self.specplug is None:
+            return super().propose(
+                num_speculative_tokens, target_token_ids, target_positions,
+                target_hidden_states, next_token_ids, token_indices_to_sample,
+                common_attn_metadata, sampling_metadata, mm_embed_inputs,
+                num_rejected_tokens_gpu, slot_mappings,
+            )
+        self._last_draft_probs = None  # deterministic drafting: vLLM's target-only rule
+        if self._dense_head is None:
+            self._dense_head = DenseEagle3Head(self.model)
+        if self.adaptive is not None:
+            self.adaptive.step_started(int(common_attn_metadata.query_start_loc_cpu[
+                common_attn_metadata.num_reqs]))
+        if self.tree_verifier is not None:  # accepted tree nodes first, as in a chain
+            target_token_ids, target_positions, target_hidden_states = self.tree_verifier.committed_order(
+                target_token_ids, target_positions, target_hidden_states)
+        try:
+            with torch.inference_mode():
+                return self._propose_chains(
                     num_speculative_tokens, target_token_ids, target_positions,
-                    target_hidden_states, next_token_ids, token_indices_to_sample,
-                    common_attn_metadata, sampling_metadata, mm_embed_inputs,
-                    num_rejected_tokens_gpu, slot_mappings,
+                    target_hidden_states, next_token_ids, common_attn_metadata,
+                    num_rejected_tokens_gpu,
                 )
-            self._last_draft_probs = None  # deterministic drafting: vLLM's target-only rule
-            if self._dense_head is None:
-                self._dense_head = DenseEagle3Head(self.model)
+        finally:
             if self.adaptive is not None:
-                self.adaptive.step_started(int(common_attn_metadata.query_start_loc_cpu[
-                    common_attn_metadata.num_reqs]))
-            if self.tree_verifier is not None:  # accepted tree nodes first, as in a chain
-                target_token_ids, target_positions, target_hidden_states = self.tree_verifier.committed_order(
-                    target_token_ids, target_positions, target_hidden_states)
-            try:
-                with torch.inference_mode():
-                    return self._propose_chains(
-                        num_speculative_tokens, target_token_ids, target_positions,
-                        target_hidden_states, next_token_ids, common_attn_metadata,
-                        num_rejected_tokens_gpu,
-                    )
-            finally:
-                if self.adaptive is not None:
-                    self.adaptive.step_finished()
+                self.adaptive.step_finished()
 
-        # -- specplug path ------------------------------------------------------------
-        def _propose_chains(self, depth, token_ids, positions, aux_hidden, next_token_ids,
-                            attn_metadata, num_rejected):
-            """Returns the best tree path per request, [batch, depth] (int); in adaptive mode
-            [batch, chosen depth], 0 columns = no speculation for this step (vLLM's scheduler
-            takes each request's list of drafts as is and verifies exactly that many); in
-            stage "tree" every kept tree node, [batch, budget]."""
-            batch = attn_metadata.num_reqs
-            self._forget_finished()
-            discarded = self.runner.discard_request_mask.cpu[:batch].tolist()
-            rows, requests = self._committed_rows(token_ids, positions, aux_hidden, next_token_ids,
-                                                  attn_metadata, num_rejected, discarded)
-            if self.retrieval is not None:
-                self._sync_retrieval(requests)
-            keep = [i for i, b in enumerate(rows) if not discarded[b]]  # vLLM drops partial prefills' drafts
-            if self.adaptive is not None:
-                depth = self.adaptive.choose_depth(len(keep)) if keep else 0
-                if depth == 0:  # no drafts this step: the head catches up later, in one go
-                    self._defer(requests)
-                    return torch.zeros(batch, 0, dtype=next_token_ids.dtype, device=next_token_ids.device)
-                requests = [self._with_pending(r) for r in requests]
-            roots = self._catch_up(requests) if requests else []
-            if not keep or depth == 0:
-                return torch.zeros(batch, depth, dtype=next_token_ids.dtype, device=next_token_ids.device)
-            started = time.perf_counter()
-            kept_roots = [roots[i] for i in keep]
-            if self.tree_verifier is None:
-                drafts = self._draft_chains(kept_roots, [requests[i][0] for i in keep], depth)
-            else:
-                drafts = self._draft_trees(kept_roots, [requests[i][0] for i in keep])
-            if self.adaptive is not None:
-                self.adaptive.draft_timed(len(keep), depth, time.perf_counter() - started)
-            out = torch.zeros(batch, drafts.shape[1], dtype=next_token_ids.dtype)
-            out[[rows[i] for i in keep]] = drafts.to(out.dtype)
-            return out.to(next_token_ids.device)
+    # -- specplug path ------------------------------------------------------------
+    def _propose_chains(self, depth, token_ids, positions, aux_hidden, next_token_ids,
+                        attn_metadata, num_rejected):
+        """Returns the best tree path per request, [batch, depth] (int); in adaptive mode
+        [batch, chosen depth], 0 columns = no speculation for this step (vLLM's scheduler
+        takes each request's list of drafts as is and verifies exactly that many); in
+        stage "tree" every kept tree node, [batch, budget]."""
+        batch = attn_metadata.num_reqs
+        self._forget_finished()
+        discarded = self.runner.discard_request_mask.cpu[:batch].tolist()
+        rows, requests = self._committed_rows(token_ids, positions, aux_hidden, next_token_ids,
+                                              attn_metadata, num_rejected, discarded)
+        if self.retrieval is not None:
+            self._sync_retrieval(requests)
+        keep = [i for i, b in enumerate(rows) if not discarded[b]]  # vLLM drops partial prefills' drafts
+        if self.adaptive is not None:
+            depth = self.adaptive.choose_depth(len(keep)) if keep else 0
+            if depth == 0:  # no drafts this step: the head catches up later, in one go
+                self._defer(requests)
+                return torch.zeros(batch, 0, dtype=next_token_ids.dtype, device=next_token_ids.device)
+        if keep and depth > 0 and self.tree_verifier is None:
+            chains = self._retrieval_only([requests[i][0] for i in keep], depth)
+            if chains is not None:  # the head's catch-up waits for the next step that drafts with it
+                self.retrieval_only_steps += 1
+                self._defer(requests)
+                return self._scatter(chains, [rows[i] for i in keep], batch, next_token_ids)
+        requests = [self._with_pending(r) for r in requests]
+        roots = self._catch_up(requests) if requests else []
+        if not keep or depth == 0:
+            return torch.zeros(batch, depth, dtype=next_token_ids.dtype, device=next_token_ids.device)
+        started = time.perf_counter()
+        kept_roots = [roots[i] for i in keep]
+        if self.tree_verifier is None:
+            drafts = self._draft_chains(kept_roots, [requests[i][0] for i in keep], depth)
+        else:
+            drafts = self._draft_trees(kept_roots, [requests[i][0] for i in keep])
+        if self.adaptive is not None:
+            self.adaptive.draft_timed(len(keep), depth, time.perf_counter() - started)
+        return self._scatter(drafts, [rows[i] for i in keep], batch, next_token_ids)
 
-        def _draft_chains(self, roots, req_ids, depth):
-            """Stage A: each root's best tree path, Long [len(roots), depth]."""
-            topk = self.specplug.tree.topk
-            budget = full_budget(depth, topk, roots[0].logprobs.shape[-1])
-            trees = draft_trees(self._dense_head, roots, depth, topk, budget)
-            return best_chains(self._with_retrieval(trees, req_ids, depth, budget=None), depth)
+    @staticmethod
+    def _scatter(drafts, rows, batch, next_token_ids):
+        """Drafts [len(rows), K] placed at their batch rows of a [batch, K] zero tensor."""
+        out = torch.zeros(batch, drafts.shape[1], dtype=next_token_ids.dtype)
+        out[rows] = drafts.to(out.dtype)
+        return out.to(next_token_ids.device)
 
-        def _draft_trees(self, roots, req_ids):
-            """Stage B: every kept node of each root's tree, Long [len(roots), N - 1], its
-            topology recorded for the verifier; requests that need a chain (needs_chain) get
-            their best path padded to N - 1 instead, recorded as nothing (= a chain)."""
-            config = self.specplug.tree
-            trees = draft_trees(self._dense_head, roots, config.depth, config.topk, config.budget)
-            trees = self._with_retrieval(trees, req_ids, None, budget=config.budget)
-            drafts = trees.candidates[:, 1:].clone()  # [B, N - 1]
-            chained = torch.tensor([needs_chain(self.runner.requests[r].sampling_params) for r in req_ids])
-            if chained.any():
-                drafts[chained] = best_chains(trees, drafts.shape[1])[chained]
-            for b, req_id in enumerate(req_ids):
-                if not chained[b]:
-                    self.tree_verifier.record(req_id, trees.candidates[b], trees.parents[b])
-            return drafts
+    def _retrieval_only(self, req_ids, depth):
+        """Long [len(req_ids), depth]: each request's best retrieval chain (padded by its
+        last token) when retrieval alone is confident enough for every request
+        (RetrievalConfig.skip_head), else None (the head drafts)."""
+        if self.retrieval is None or self.retrieval.config.head_skip is None:
+            return None
+        chains, probs = self.retrieval.best_chain(req_ids, k=depth)
+        if not self.retrieval.config.skip_head(probs):
+            return None
+        last = (chains.num_nodes - 1).clamp(min=0)  # [B] index of each chain's last node
+        column = torch.minimum(torch.arange(1, depth + 1)[None], last[:, None])  # [B, depth]
+        return chains.candidates.gather(1, column)
 
-        # -- hybrid drafting: retrieval candidates beside the head's -----------------------
-        def _retrieval_drafter(self, vllm_config):
-            """The retrieval drafter of hybrid drafting (settings.retrieval), or None."""
-            if self.specplug.retrieval is None:
-                return None
-            from specplug.common.retrieval import RetrievalDrafter, load_datastore
+    def _draft_chains(self, roots, req_ids, depth):
+        """Stage A: each root's best tree path, Long [len(roots), depth]."""
+        topk = self.specplug.tree.topk
+        budget = full_budget(depth, topk, roots[0].logprobs.shape[-1])
+        trees = draft_trees(self._dense_head, roots, depth, topk, budget)
+        return best_chains(self._with_retrieval(trees, req_ids, depth, budget=None), depth)
 
-            store = None
-            if self.specplug.datastore is not None:
-                store = load_datastore(self.specplug.datastore, vocab_size=vllm_config.model_config.get_vocab_size())
-            return RetrievalDrafter(self.specplug.retrieval, store)
+    def _draft_trees(self, roots, req_ids):
+        """Stage B: every kept node of each root's tree, Long [len(roots), N - 1], its
+        topology recorded for the verifier; requests that need a chain (needs_chain) get
+        their best path padded to N - 1 instead, recorded as nothing (= a chain)."""
+        config = self.specplug.tree
+        trees = draft_trees(self._dense_head, roots, config.depth, config.topk, config.budget)
+        trees = self._with_retrieval(trees, req_ids, None, budget=config.budget)
+        drafts = trees.candidates[:, 1:].clone()  # [B, N - 1]
+        chained = torch.tensor([needs_chain(self.runner.requests[r].sampling_params) for r in req_ids])
+        if chained.any():
+            drafts[chained] = best_chains(trees, drafts.shape[1])[chained]
+        for b, req_id in enumerate(req_ids):
+            if not chained[b]:
+                self.tree_verifier.record(req_id, trees.candidates[b], trees.parents[b])
+        return drafts
 
-        def _with_retrieval(self, trees, req_ids, depth, budget):
-            """The head's trees merged with retrieval trees (same roots) into one tree per
-            request: `budget` best nodes (None: every node), retrieval paths at most `depth`
-            deep (None: its own max_depth)."""
-            if self.retrieval is None:
-                return trees
-            found = self.retrieval.draft(req_ids, trees.candidates[:, 0], max_depth=depth)
-            keep = budget if budget is not None else int(trees.num_nodes.max() + found.num_nodes.max())
-            return merge_trees([trees, found], keep)
+    # -- hybrid drafting: retrieval candidates beside the head's -----------------------
+    def _retrieval_drafter(self, vllm_config):
+        """The retrieval drafter of hybrid drafting (settings.retrieval), or None."""
+        if self.specplug.retrieval is None:
+            return None
+        from specplug.common.retrieval import RetrievalDrafter, load_datastore
 
-        def _sync_retrieval(self, requests):
-            """Bring the retrieval drafter's copy of each request's committed tokens to what
-            vLLM committed this step: cut what vLLM discarded (rejected drafts, preemption),
-            fill what it has not seen from vLLM's request state, then append the new tokens."""
-            for req_id, shifted, positions, _ in requests:
-                if self._retrieval_prefix(req_id, int(positions[0]) + 1):
-                    self.retrieval.extend(req_id, shifted)
+        store = None
+        if self.specplug.datastore is not None:
+            store = load_datastore(self.specplug.datastore, vocab_size=vllm_config.model_config.get_vocab_size())
+        return RetrievalDrafter(self.specplug.retrieval, store)
 
-        def _retrieval_prefix(self, req_id, length) -> bool:
-            """Make the drafter hold exactly the request's first `length` tokens; False when
-            vLLM's request state does not have them (e.g. prompt embeddings)."""
-            have = self.retrieval.length(req_id) if req_id in self.retrieval.live else None
-            if have is not None and have >= length:
-                self.retrieval.rollback(req_id, length)
-                return True
-            state = self.runner.requests[req_id]
-            known = list(state.prompt_token_ids or []) + list(state.output_token_ids)
-            if len(known) < length or min(known[:length], default=0) < 0:
-                return False
-            if have is None:
-                self.retrieval.prefill(req_id, known[:length])
-            else:
-                self.retrieval.extend(req_id, known[have:length])
+    def _with_retrieval(self, trees, req_ids, depth, budget):
+        """The head's trees merged with retrieval trees (same roots) into one tree per
+        request: `budget` best nodes (None: every node), retrieval paths at most `depth`
+        deep (None: its own max_depth)."""
+        if self.retrieval is None:
+            return trees
+        found = self.retrieval.draft(req_ids, trees.candidates[:, 0], max_depth=depth)
+        keep = budget if budget is not None else int(trees.num_nodes.max() + found.num_nodes.max())
+        return merge_trees([trees, found], keep)
+
+    def _sync_retrieval(self, requests):
+        """Bring the retrieval drafter's copy of each request's committed tokens to what
+        vLLM committed this step: cut what vLLM discarded (rejected drafts, preemption),
+        fill what it has not seen from vLLM's request state, then append the new tokens."""
+        for req_id, shifted, positions, _ in requests:
+            if self._retrieval_prefix(req_id, int(positions[0]) + 1):
+                self.retrieval.extend(req_id, shifted)
+
+    def _retrieval_prefix(self, req_id, length) -> bool:
+        """Make the drafter hold exactly the request's first `length` tokens; False when
+        vLLM's request state does not have them (e.g. prompt embeddings)."""
+        have = self.retrieval.length(req_id) if req_id in self.retrieval.live else None
+        if have is not None and have >= length:
+            self.retrieval.rollback(req_id, length)
             return True
+        state = self.runner.requests[req_id]
+        known = list(state.prompt_token_ids or []) + list(state.output_token_ids)
+        if len(known) < length or min(known[:length], default=0) < 0:
+            return False
+        if have is None:
+            self.retrieval.prefill(req_id, known[:length])
+        else:
+            self.retrieval.extend(req_id, known[have:length])
+        return True
 
-        def _committed_rows(self, token_ids, positions, aux_hidden, next_token_ids, attn_metadata,
-                            num_rejected, discarded):
-            """(batch rows with new tokens, their (req_id, shifted [n], positions [n],
-            hidden [n, H])): what vLLM committed this step, rejected drafts cut off."""
-            batch = attn_metadata.num_reqs
-            req_ids = self.runner.input_batch.req_ids[:batch]
-            starts = attn_metadata.query_start_loc_cpu[: batch + 1].tolist()
-            rejected = [0] * batch if num_rejected is None else num_rejected[:batch].tolist()
-            hidden = self._dense_head.combine(aux_hidden[: starts[-1]])  # [tokens, H]
-            rows, requests = [], []
-            for b, req_id in enumerate(req_ids):
-                start, end = starts[b], starts[b + 1] - rejected[b]
-                if end <= start:
-                    continue
-                next_token = int(next_token_ids[b])
-                if discarded[b]:  # partial prefill: vLLM's next token is a placeholder
-                    next_token = self.runner.requests[req_id].get_token_id(int(positions[end - 1]) + 1)
-                shifted = torch.cat([token_ids[start + 1:end], token_ids.new_tensor([next_token])])
-                rows.append(b)
-                requests.append((req_id, shifted, positions[start:end].clone(), hidden[start:end]))
-            return rows, requests
+    def _committed_rows(self, token_ids, positions, aux_hidden, next_token_ids, attn_metadata,
+                        num_rejected, discarded):
+        """(batch rows with new tokens, their (req_id, shifted [n], positions [n],
+        hidden [n, H])): what vLLM committed this step, rejected drafts cut off."""
+        batch = attn_metadata.num_reqs
+        req_ids = self.runner.input_batch.req_ids[:batch]
+        starts = attn_metadata.query_start_loc_cpu[: batch + 1].tolist()
+        rejected = [0] * batch if num_rejected is None else num_rejected[:batch].tolist()
+        hidden = self._dense_head.combine(aux_hidden[: starts[-1]])  # [tokens, H]
+        rows, requests = [], []
+        for b, req_id in enumerate(req_ids):
+            start, end = starts[b], starts[b + 1] - rejected[b]
+            if end <= start:
+                continue
+            next_token = int(next_token_ids[b])
+            if discarded[b]:  # partial prefill: vLLM's next token is a placeholder
+                next_token = self.runner.requests[req_id].get_token_id(int(positions[end - 1]) + 1)
+            shifted = torch.cat([token_ids[start + 1:end], token_ids.new_tensor([next_token])])
+            rows.append(b)
+            requests.append((req_id, shifted, positions[start:end].clone(), hidden[start:end]))
+        return rows, requests
 
-        def _with_pending(self, request):
-            """request with the rows deferred for it prepended (rows at or past its first
-            position, i.e. rolled back by vLLM, dropped)."""
-            req_id, shifted, positions, hidden = request
-            pending = self._pending.pop(req_id, None)
-            if pending is None:
-                return request
-            old = pending[1] < positions[0]  # [pending rows]
-            return (req_id, torch.cat([pending[0][old], shifted]), torch.cat([pending[1][old], positions]),
-                    torch.cat([pending[2][old], hidden]))
+    def _with_pending(self, request):
+        """request with the rows deferred for it prepended (rows at or past its first
+        position, i.e. rolled back by vLLM, dropped)."""
+        req_id, shifted, positions, hidden = request
+        pending = self._pending.pop(req_id, None)
+        if pending is None:
+            return request
+        old = pending[1] < positions[0]  # [pending rows]
+        return (req_id, torch.cat([pending[0][old], shifted]), torch.cat([pending[1][old], positions]),
+                torch.cat([pending[2][old], hidden]))
 
-        def _defer(self, requests):
-            """Adaptive steps without drafts keep the committed rows for the next catch-up;
-            a request whose backlog reaches MAX_PENDING_ROWS is caught up now."""
-            due = []
-            for request in requests:
-                merged = self._with_pending(request)
-                if merged[1].shape[0] >= MAX_PENDING_ROWS:
-                    due.append(merged)
-                else:
-                    self._pending[merged[0]] = merged[1:]
-            if due:
-                self._catch_up(due)
-
-        def _catch_up(self, requests):
-            """requests: (req_id, shifted [n], positions [n], hidden [n, H]) each, where
-            shifted[i] is the committed token after position i (the last one is vLLM's next
-            token). Rolls each request's head cache back to its first new position (undoing
-            what vLLM rejected), runs ONE head step over all newly committed rows (input i
-            pairs shifted[i] with hidden i), appends the new KV, and returns a Root per request."""
-            segments, offset = [], 0
-            for req_id, tokens, positions, _ in requests:
-                cache = self._cache(req_id)
-                cache.truncate(min(int(positions[0]), cache.length))
-                n, past = tokens.shape[0], cache.length
-                mask = torch.ones(n, past + n, dtype=torch.bool).tril(diagonal=past)
-                segments.append(Segment(slice(offset, offset + n), cache.key, cache.value, mask))
-                offset += n
-            step = self._dense_head.step(torch.cat([r[1] for r in requests]), torch.cat([r[3] for r in requests]),
-                                         torch.cat([r[2] for r in requests]), segments)
-            roots = []
-            for (req_id, shifted, positions, _), seg in zip(requests, segments):
-                cache = self._caches[req_id]
-                cache.append(step.key[seg.rows], step.value[seg.rows])
-                last = seg.rows.stop - 1
-                roots.append(Root(int(shifted[-1]), step.logprobs[last], step.hidden[last], int(positions[-1]),
-                                  cache.key, cache.value))
-            return roots
-
-        def _request_params(self, batch):
-            """SamplingParams of the first `batch` rows of vLLM's input batch (None where unknown)."""
-            requests = self.runner.requests
-            return [getattr(requests.get(r), "sampling_params", None) for r in self.runner.input_batch.req_ids[:batch]]
-
-        def _request_positions(self, batch) -> torch.Tensor:
-            """Long [batch]: tokens each of the first `batch` rows holds before this step
-            (prompt + committed output), i.e. the position of its next token."""
-            return torch.from_numpy(self.runner.input_batch.num_tokens_no_spec[:batch].copy()).long()
-
-        def _log_active(self):
-            tree = self.specplug.tree
-            if self.specplug.stage == "tree":
-                logger.info("specplug EAGLE-3 proposer active for head %s: dynamic tree topk=%d depth=%d "
-                            "budget=%d, stage tree (the whole tree is verified in one target pass)",
-                            self.draft_model_config.model, tree.topk, tree.depth, tree.budget)
+    def _defer(self, requests):
+        """Adaptive steps without drafts keep the committed rows for the next catch-up;
+        a request whose backlog reaches MAX_PENDING_ROWS is caught up now."""
+        due = []
+        for request in requests:
+            merged = self._with_pending(request)
+            if merged[1].shape[0] >= MAX_PENDING_ROWS:
+                due.append(merged)
             else:
-                logger.info("specplug EAGLE-3 proposer active for head %s: dynamic tree topk=%d depth=%d, "
-                            "stage chain (the tree's best path is verified as a chain)",
-                            self.draft_model_config.model, tree.topk, self.num_speculative_tokens)
+                self._pending[merged[0]] = merged[1:]
+        if due:
+            self._catch_up(due)
 
-        def _cache(self, req_id) -> _DraftCache:
-            if req_id not in self._caches:
-                empty = self._dense_head.empty_kv()
-                self._caches[req_id] = _DraftCache(empty, empty)
-            return self._caches[req_id]
+    def _catch_up(self, requests):
+        """requests: (req_id, shifted [n], positions [n], hidden [n, H]) each, where
+        shifted[i] is the committed token after position i (the last one is vLLM's next
+        token). Rolls each request's head cache back to its first new position (undoing
+        what vLLM rejected), runs ONE head step over all newly committed rows (input i
+        pairs shifted[i] with hidden i), appends the new KV, and returns a Root per request."""
+        segments, offset = [], 0
+        for req_id, tokens, positions, _ in requests:
+            cache = self._cache(req_id)
+            cache.truncate(min(int(positions[0]), cache.length))
+            n, past = tokens.shape[0], cache.length
+            mask = torch.ones(n, past + n, dtype=torch.bool).tril(diagonal=past)
+            segments.append(Segment(slice(offset, offset + n), cache.key, cache.value, mask))
+            offset += n
+        step = self._dense_head.step(torch.cat([r[1] for r in requests]), torch.cat([r[3] for r in requests]),
+                                     torch.cat([r[2] for r in requests]), segments)
+        roots = []
+        for (req_id, shifted, positions, _), seg in zip(requests, segments):
+            cache = self._caches[req_id]
+            cache.append(step.key[seg.rows], step.value[seg.rows])
+            last = seg.rows.stop - 1
+            roots.append(Root(int(shifted[-1]), step.logprobs[last], step.hidden[last], int(positions[-1]),
+                              cache.key, cache.value))
+        return roots
 
-        def _forget_finished(self):
-            live = self.runner.requests
-            for req_id in [r for r in self._caches if r not in live]:
-                del self._caches[req_id]
-            for req_id in [r for r in self._pending if r not in live]:
-                del self._pending[req_id]
-            if self.retrieval is not None:
-                for req_id in [r for r in self.retrieval.live if r not in live]:
-                    self.retrieval.free(req_id)  # its tokens join the cache of recent requests
+    def _request_params(self, batch):
+        """SamplingParams of the first `batch` rows of vLLM's input batch (None where unknown)."""
+        requests = self.runner.requests
+        return [getattr(requests.get(r), "sampling_params", None) for r in self.runner.input_batch.req_ids[:batch]]
 
-    return SpecplugEagleProposer
+    def _request_positions(self, batch) -> torch.Tensor:
+        """Long [batch]: tokens each of the first `batch` rows holds before this step
+        (prompt + committed output), i.e. the position of its next token."""
+        return torch.from_numpy(self.runner.input_batch.num_tokens_no_spec[:batch].copy()).long()
+
+    def _log_active(self):
+        tree = self.specplug.tree
+        if self.specplug.stage == "tree":
+            logger.info("specplug EAGLE-3 proposer active for head %s: dynamic tree topk=%d depth=%d "
+                        "budget=%d, stage tree (the whole tree is verified in one target pass)",
+                        self.draft_model_config.model, tree.topk, tree.depth, tree.budget)
+        else:
+            logger.info("specplug EAGLE-3 proposer active for head %s: dynamic tree topk=%d depth=%d, "
+                        "stage chain (the tree's best path is verified as a chain)",
+                        self.draft_model_config.model, tree.topk, self.num_speculative_tokens)
+
+    def _cache(self, req_id) -> _DraftCache:
+        if req_id not in self._caches:
+            empty = self._dense_head.empty_kv()
+            self._caches[req_id] = _DraftCache(empty, empty)
+        return self._caches[req_id]
+
+    def _forget_finished(self):
+        live = self.runner.requests
+        for req_id in [r for r in self._caches if r not in live]:
+            del self._caches[req_id]
+        for req_id in [r for r in self._pending if r not in live]:
+            del self._pending[req_id]
+        if self.retrieval is not None:
+            for req_id in [r for r in self.retrieval.live if r not in live]:
+                self.retrieval.free(req_id)  # its tokens join the cache of recent requests
+

@@ -386,3 +386,14 @@ def test_cli_builds_a_datastore(tiny_llama_path, tmp_path, capsys):
     for option in ("--target", "--data", "--out", "--max-samples", "--max-length", "--min-match", "--max-match"):
         assert option in help_text
     assert "(default: 2000)" in help_text
+
+
+def test_skip_head_needs_every_request_confident():
+    from specplug.common.retrieval import RetrievalConfig
+    probs = torch.tensor([[1.0, 0.9, 0.6, 0.0], [1.0, 0.5, 0.2, 0.1]])  # expects 1.5 and 0.8
+    assert not RetrievalConfig().skip_head(probs)  # head_skip None: the head always drafts
+    assert RetrievalConfig(head_skip=0.8).skip_head(probs)
+    assert not RetrievalConfig(head_skip=1.0).skip_head(probs)
+    assert RetrievalConfig(head_skip=1.0).skip_head(probs[:1])
+    with pytest.raises(ValueError, match="head_skip"):
+        RetrievalConfig(head_skip=0.0)

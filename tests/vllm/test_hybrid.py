@@ -71,3 +71,15 @@ def test_bad_retrieval_settings_fail_at_start():
         adapter_settings({}, {"SPECPLUG_RETRIEVAL": "{not json"})
     assert adapter_settings({"retrieval": True}, {"SPECPLUG_RETRIEVAL": "0"}).retrieval is None
     assert adapter_settings({}, {"SPECPLUG_RETRIEVAL": '{"budget": 2}'}).retrieval.budget == 2
+
+
+def test_retrieval_only_steps_skip_the_head_and_stay_lossless(engine, target):
+    """head_skip: steps where retrieval's best chain expects >= 0.5 accepted tokens draft
+    from retrieval alone (the head's catch-up deferred); greedy output is unchanged and
+    the head is back in sync whenever it drafts again."""
+    head = tiny_head_dir(target, specplug={**SPECPLUG_CHAIN, "retrieval": {**RETRIEVAL, "head_skip": 0.5}})
+    llm = engine(target, head)
+    sampling = params(max_tokens=48, temperature=0.0)
+    spec = token_ids(llm.generate(REPEATING, sampling, use_tqdm=False))
+    assert drafter_of(llm).retrieval_only_steps > 0
+    assert spec == token_ids(engine(target).generate(REPEATING, sampling, use_tqdm=False))

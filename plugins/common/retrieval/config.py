@@ -38,6 +38,11 @@ class RetrievalConfig:
                      time after a 1 / 2 / 3 / 4-7 / 8-token match (prior 4 predicts
                      0.20 / 0.33 / 0.43 / 0.50-0.64 / 0.67), and all nodes' scores
                      were off their acceptance rate by 0.05 on average (raw: 0.10).
+    head_skip:       hybrid drafting: a step whose every request's best retrieval chain
+                     expects at least this many accepted tokens (sum of its nodes'
+                     scores) drafts from retrieval alone, without running the head
+                     (whose catch-up is deferred to the next step that needs it).
+                     None = always run the head.
     """
 
     max_depth: int = 8
@@ -49,6 +54,7 @@ class RetrievalConfig:
     min_count: int = 1
     min_prob: float = 0.1
     prior: float = 4.0
+    head_skip: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_depth", "budget", "min_match", "max_match", "max_occurrences", "min_count"):
@@ -61,6 +67,17 @@ class RetrievalConfig:
             raise ValueError(f"RetrievalConfig.min_prob must lie in [0, 1], got {self.min_prob!r}")
         if not float(self.prior) >= 0.0:
             raise ValueError(f"RetrievalConfig.prior must be >= 0, got {self.prior!r}: pass a pseudo-count >= 0")
+        if self.head_skip is not None and not float(self.head_skip) > 0.0:
+            raise ValueError(f"RetrievalConfig.head_skip must be > 0 (expected accepted tokens) or None, "
+                             f"got {self.head_skip!r}")
+
+    def skip_head(self, chain_probs) -> bool:
+        """Whether a step drafts from retrieval alone: chain_probs Float [B, N] are the
+        estimated acceptance of each request's best chain nodes (root 1 at column 0,
+        padding 0); True when head_skip is set and every request expects >= head_skip."""
+        if self.head_skip is None or chain_probs.shape[0] == 0:
+            return False
+        return bool((chain_probs[:, 1:].sum(1) >= self.head_skip).all())
 
     @property
     def levels(self) -> int:
