@@ -37,7 +37,8 @@ from specplug.vllm_eagle3.settings import (
     specplug_section,
 )
 from specplug.common.merge import merge_trees
-from specplug.vllm_eagle3.tree_draft import Root, best_chains, draft_trees, full_budget
+from specplug.common.path_choice import best_chains, full_budget, pad_chains
+from specplug.vllm_eagle3.tree_draft import Root, draft_trees
 
 logger = logging.getLogger(__name__)
 
@@ -201,9 +202,7 @@ class SpecplugEagleProposer(EagleProposer):
         chains, probs = self.retrieval.best_chain(req_ids, k=depth)
         if not self.retrieval.config.skip_head(probs):
             return None
-        last = (chains.num_nodes - 1).clamp(min=0)  # [B] index of each chain's last node
-        column = torch.minimum(torch.arange(1, depth + 1)[None], last[:, None])  # [B, depth]
-        return chains.candidates.gather(1, column)
+        return pad_chains(chains, depth)
 
     def _draft_chains(self, roots, req_ids, depth):
         """Stage A: each root's best tree path, Long [len(roots), depth]."""

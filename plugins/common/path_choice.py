@@ -1,0 +1,45 @@
+"""Path choice: which part of a drafted tree an engine verifies when it verifies chains.
+
+Engines that verify one chain per request (vLLM stage "chain") take it from a drafted
+tree here, so both engines and every drafter choose paths the same way.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specplug.common.tree import TreeBatch, path_reduce, tree_depths
+
+
+def full_budget(depth: int, topk: int, draft_vocab: int) -> int:
+    """Nodes tree.dynamic drafts in all (root excluded): keeping all of them keeps every leaf."""
+    k = min(topk, draft_vocab)
+    return k + (depth - 1) * k * k
+
+
+def best_chains(trees: TreeBatch, depth: int) -> torch.Tensor:
+    """Long [B, depth]: the chain stage A hands vLLM. It is the root path with the largest
+    expected accepted length under the draft's own probabilities (sum over its nodes of
+    exp(cumulative log-prob)), at any depth; a path shorter than `depth` is padded by
+    repeating its last token (vLLM schedules exactly `depth` drafts; verification stays
+    exact whatever they are). Measured on the test bed this beats both the best-scoring
+    deepest node (beam search) and requiring a full-depth path."""
+    depths = tree_depths(trees.parents)  # [B, N]
+    reach = torch.where(depths > 0, trees.scores.exp(), torch.zeros_like(trees.scores))
+    expected = path_reduce(reach, trees.parents, torch.add)  # [B, N]
+    node = expected.argmax(dim=1)  # [B]
+    length = depths.gather(1, node[:, None]).squeeze(1)  # [B] path length, >= 1
+    chain = torch.empty(trees.candidates.shape[0], depth, dtype=torch.long)
+    for d in range(depth - 1, -1, -1):
+        on_path = d < length  # [B] walk up only once position d is on the path
+        chain[:, d] = trees.candidates.gather(1, node[:, None]).squeeze(1)
+        node = torch.where(on_path, trees.parents.gather(1, node[:, None]).squeeze(1), node)
+    return chain
+
+
+def pad_chains(chains: TreeBatch, depth: int) -> torch.Tensor:
+    """Long [B, depth]: each chain's draft tokens (candidates[b, 1:num_nodes[b]]) padded
+    by repeating its last token (the root's when it has none)."""
+    last = (chains.num_nodes - 1).clamp(min=0)  # [B] index of each chain's last node
+    column = torch.minimum(torch.arange(1, depth + 1)[None], last[:, None])  # [B, depth]
+    return chains.candidates.gather(1, column)
