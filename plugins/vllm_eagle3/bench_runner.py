@@ -8,7 +8,8 @@ stripped), `specplug` (stage A: the same head with its `specplug` section, stage
 copy of the head whose section says `"adaptive": true`) and `specplug-tree` (stage B: a
 copy whose section says `"stage": "tree"`, the whole tree verified in one target pass,
 num_speculative_tokens = the tree budget); `specplug-hybrid` and `specplug-hybrid-tree`
-are those two with hybrid drafting on (retrieval candidates merged into the head's tree:
+are those two with hybrid drafting on; `specplug-hybrid-skip` is `specplug-hybrid` with
+retrieval-only steps (RetrievalConfig.head_skip = HEAD_SKIP) (retrieval candidates merged into the head's tree:
 the section's "retrieval" settings, or the defaults). Tree settings come from the head's
 section with SPECPLUG_TREE applied, exactly as the proposer reads them.
 """
@@ -69,12 +70,19 @@ def staged_head(head: str, stage: str) -> str:
                       lambda config: config.setdefault("specplug", {}).update(stage=stage))
 
 
-def hybrid_head(head: str, stage: str) -> str:
+HEAD_SKIP = 1.0  # specplug-hybrid-skip: retrieval-only steps when it expects >= 1 accepted token
+
+
+def hybrid_head(head: str, stage: str, **retrieval) -> str:
     """A folder with the same weights whose `specplug` section says `"stage": stage` and
-    turns hybrid drafting on (its own "retrieval" settings, else the defaults)."""
+    turns hybrid drafting on (its own "retrieval" settings, else the defaults), with
+    `retrieval` fields set on top."""
     def edit(config):
         section = config.setdefault("specplug", {})
-        section.update(stage=stage, retrieval=section.get("retrieval") or True)
+        settings = section.get("retrieval") or True
+        if retrieval:
+            settings = {**(settings if isinstance(settings, dict) else {}), **retrieval}
+        section.update(stage=stage, retrieval=settings)
     return _head_copy(head, f"specplug-hybrid-{stage}-head-", edit)
 
 
@@ -118,7 +126,8 @@ class VllmRunner:
         self._method, self._llm = None, None
 
     def methods(self) -> list[str]:
-        specplug = ["eagle3", "specplug", "specplug-tree", "specplug-adaptive", "specplug-hybrid", "specplug-hybrid-tree"]
+        specplug = ["eagle3", "specplug", "specplug-tree", "specplug-adaptive", "specplug-hybrid", "specplug-hybrid-tree",
+                    "specplug-hybrid-skip"]
         return ["none", "ngram"] + (specplug if self.head else [])
 
     def speculative_config(self, method: str) -> dict | None:
@@ -142,6 +151,9 @@ class VllmRunner:
                     "num_speculative_tokens": tree.budget}
         if method == "specplug-hybrid":
             return {"method": "eagle3", "model": hybrid_head(self.head, "chain"), "num_speculative_tokens": tree.depth}
+        if method == "specplug-hybrid-skip":
+            head = hybrid_head(self.head, "chain", head_skip=HEAD_SKIP)
+            return {"method": "eagle3", "model": head, "num_speculative_tokens": tree.depth}
         if method == "specplug-hybrid-tree":
             return {"method": "eagle3", "model": hybrid_head(self.head, "tree"),
                     "num_speculative_tokens": tree.budget}
