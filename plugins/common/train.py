@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import logging
 import math
@@ -406,10 +407,22 @@ def collate(samples: list[Sample], pad_id: int) -> Batch:
     return Batch(ids, attn, loss)
 
 
-def batch_indices(step: int, batch_size: int, num_samples: int) -> list[int]:
-    """Sample indices of the step-th batch of an endless pass (a pure function: resume is exact)."""
-    start = step * batch_size
-    return [(start + i) % num_samples for i in range(batch_size)]
+def batch_indices(step: int, batch_size: int, num_samples: int, seed: int | None = None) -> list[int]:
+    """Sample indices of the step-th batch of an endless pass (a pure function: resume is
+    exact). seed None: the samples in order, wrapping around; an int: every epoch visits
+    each sample once, in an order shuffled by (seed, epoch)."""
+    out = []
+    for k in range(step * batch_size, (step + 1) * batch_size):
+        epoch, pos = divmod(k, num_samples)
+        out.append(pos if seed is None else _epoch_order(num_samples, seed, epoch)[pos])
+    return out
+
+
+@functools.lru_cache(maxsize=4)
+def _epoch_order(num_samples: int, seed: int, epoch: int) -> list[int]:
+    """A permutation of range(num_samples) fixed by (seed, epoch)."""
+    generator = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+    return torch.randperm(num_samples, generator=generator).tolist()
 
 
 def batch_at(samples: list[Sample], step: int, batch_size: int, pad_id: int) -> Batch:

@@ -2,7 +2,8 @@
 
 Invariants (what makes `--resume` exact):
   * optimizer step s trains on target pass b = s // reuse, whose samples are
-    `batch_indices(b, batch_size, len(samples))`: the data order is a function of s;
+    `batch_indices(b, batch_size, len(samples), seed)` (each epoch reshuffled by
+    (seed, epoch)): the data order is a function of s;
   * the LR at step s is `lr_at(s, cfg, schedule)`: a function of s and the schedule's
     length in steps, never of the wall clock;
   * a checkpoint holds the head's fp32 tensors, the optimizer, torch's RNG states and
@@ -104,7 +105,7 @@ def _train_on_batch(run: Run, state: dict, stopper: Stopper, progress: Progress)
 def target_states(run: Run, index: int) -> tuple[Batch, TargetOutput]:
     """The index-th batch (on the device) and the target's states for it: read from the
     cache when there is one, else a live forward of the target."""
-    ids = batch_indices(index, run.cfg.batch_size, len(run.samples))
+    ids = batch_indices(index, run.cfg.batch_size, len(run.samples), run.cfg.seed)
     batch = Batch(*(t.to(run.cfg.device) for t in collate([run.samples[i] for i in ids], run.pad_id)))
     if run.states is not None:
         return batch, run.states.target_output(ids, batch.input_ids.shape[1])

@@ -380,3 +380,13 @@ def test_learning_rate_follows_the_step_schedule_only(tmp_path):
     assert minutes.schedule_steps(10) == 1000 and T.TrainConfig("medusa", "t", str(tmp_path)).schedule_steps(1) == 1000
     with pytest.raises(ValueError, match="exclude --steps"):
         T.TrainConfig("medusa", "t", str(tmp_path), steps=5, epochs=1)
+
+
+def test_each_epoch_visits_every_sample_once_in_its_own_order():
+    n, batch = 10, 4  # 10 steps = 4 epochs
+    order = [i for step in range(10) for i in T.batch_indices(step, batch, n, seed=3)]
+    epochs = [order[e * n:(e + 1) * n] for e in range(4)]
+    assert all(sorted(e) == list(range(n)) for e in epochs)
+    assert len({tuple(e) for e in epochs}) == 4  # reshuffled every epoch
+    assert T.batch_indices(7, batch, n, seed=3) == T.batch_indices(7, batch, n, seed=3)  # pure
+    assert T.batch_indices(2, batch, n) == [8, 9, 0, 1]  # seed None: in order, wrapping
