@@ -18,7 +18,7 @@ samplers without touching its code. A plugin is a module (or object) with
 Every hook returns ``{name: object}``; names must be unique across plugins (a clash
 raises ValueError naming both plugins). Built-in entries live under the same names
 the rest of specplug uses ("chain", "from_choices", "optimal_sparse", "dynamic";
-"greedy", "rejection", "typical").
+"greedy", "rejection", "coupled", "typical").
 """
 
 from __future__ import annotations

@@ -43,7 +43,7 @@ def installed_plugin(tmp_path, monkeypatch):
 def test_builtins_are_registered():
     pm = hooks.make_plugin_manager(load_entrypoints=False)
     assert set(hooks.tree_builders(pm)) == {"chain", "from_choices", "optimal_sparse", "dynamic", "merge"}
-    assert set(hooks.samplers(pm)) == {"greedy", "rejection", "typical"}
+    assert set(hooks.samplers(pm)) == {"greedy", "rejection", "coupled", "typical"}
     greedy = hooks.get_sampler("greedy", pm)
     res = greedy(torch.tensor([[0, 1]]), torch.tensor([[-1, 0]]), torch.tensor([[[0.0, 1.0], [1.0, 0.0]]]))
     assert isinstance(res, VerifyResult) and res.num_accepted.tolist() == [1]
@@ -60,7 +60,7 @@ def test_entry_point_plugin_is_found(installed_plugin):
 
 def test_unknown_name_lists_what_is_available():
     pm = hooks.make_plugin_manager(load_entrypoints=False)
-    with pytest.raises(ValueError, match=r"unknown sampler 'nope'; available: \['greedy'"):
+    with pytest.raises(ValueError, match=r"unknown sampler 'nope'; available: \['coupled', 'greedy'"):
         hooks.get_sampler("nope", pm)
 
 
