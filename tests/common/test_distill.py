@@ -69,7 +69,7 @@ def test_rerun_answers_only_new_prompts_and_other_settings_are_refused(tiny_llam
                                                                        monkeypatch):
     asked = []
 
-    def fake_generator(engine, cfg, batch_size):
+    def fake_generator(engine, cfg, batch_size, kv_cache_bytes):
         def generate(texts):
             asked.extend(texts)
             return [f"reply {len(asked)}"] * len(texts)

@@ -6,6 +6,7 @@ import json
 import pytest
 
 from specplug.common import distill as D
+from tests.vllm.conftest import KV_CACHE_BYTES
 from tests.vllm.tiny_heads import tiny_target_dir
 
 
@@ -20,7 +21,7 @@ def test_vllm_and_transformers_write_the_same_greedy_replies(tmp_path):
     replies = {}
     for engine in ("vllm", "hf"):
         out = tmp_path / f"{engine}.jsonl"
-        summary = D.distill(cfg, out, engine=engine, batch_size=4, chunk=4)
+        summary = D.distill(cfg, out, engine=engine, batch_size=4, chunk=4, kv_cache_bytes=KV_CACHE_BYTES)
         assert summary["answered_now"] == len(words)
         # the tiny random target writes raw bytes; vLLM's detokenizer withholds a trailing
         # incomplete UTF-8 sequence that transformers decodes as U+FFFD
