@@ -254,14 +254,15 @@ def _mix64(z: torch.Tensor) -> torch.Tensor:
 
 
 def position_uniforms(seeds: torch.Tensor, positions: torch.Tensor, width: int) -> torch.Tensor:
-    """Float64 [B, width] in [0, 1): u[b, d] is a fixed function of (seeds[b],
-    positions[b] + d) only (splitmix64), the draw of the request's token at that
+    """Float32 [B, width] in [0, 1): u[b, d] is a fixed function of (seeds[b],
+    positions[b] + d) only (the top 24 bits of splitmix64, so exactly representable
+    and < 1 in float32, like torch.rand), the draw of the request's token at that
     sequence position. With method "coupled" this makes a seeded request's output
     independent of drafts, batch mates and preemption."""
     seeds, positions = seeds.long(), positions.long()
     t = positions.unsqueeze(1) + torch.arange(width, device=positions.device)  # [B, width]
     z = _mix64(_mix64(seeds.unsqueeze(1)) + (t + 1) * _signed(_GOLDEN))
-    return _shr(z, 11).double() * 2.0 ** -53
+    return _shr(z, 40).float() * 2.0 ** -24
 
 
 def sample_inverse_cdf(dist: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

@@ -16,8 +16,8 @@ verify(method="coupled"): the target's own inverse-CDF sample at every node matc
 against the drafts (lossless, the target-only rule's acceptance). A seeded request's
 draw for the token at sequence position t is fixed by (seed, t)
 (sampling.position_uniforms), so its output is the same run to run whatever was
-drafted, batched beside it or preempted; unseeded requests draw at random. Logprobs of the emitted tokens are vLLM's raw
-logprobs, gathered at the rows the tokens came from.
+drafted, batched beside it or preempted; unseeded requests draw at random. Logprobs of
+the emitted tokens are vLLM's raw logprobs, gathered at the rows the tokens came from.
 
 A step with something specplug does not model (a custom logits processor, a thinking
 budget, logprobs of chosen token ids, a processed-logprobs mode) runs without drafts:
@@ -188,9 +188,9 @@ class SpecplugChainSampler:
                       method="coupled", num_nodes=num_nodes, uniforms=self._uniforms(params, candidates.shape[1] + 1))
 
     def _uniforms(self, params, width: int) -> torch.Tensor:
-        """Float64 [B, width], column d the draw for each request's token d places past its
+        """Float [B, width], column d the draw for each request's token d places past its
         root: fixed by (seed, position) for seeded requests, random for the others."""
-        u = torch.rand(len(params), width, dtype=torch.float64)
+        u = torch.rand(len(params), width)
         seeded = [i for i, sp in enumerate(params) if getattr(sp, "seed", None) is not None]
         if seeded and self.request_positions is not None:
             rows = torch.tensor(seeded)

@@ -22,7 +22,7 @@ def splitmix_reference(seed: int, t: int) -> float:
         z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & MASK
         return z ^ (z >> 31)
     z = mix((mix(seed & MASK) + (t + 1) * 0x9E3779B97F4A7C15) & MASK)
-    return (z >> 11) * 2.0 ** -53
+    return (z >> 40) * 2.0 ** -24
 
 
 def test_position_uniforms_are_the_stated_hash_and_uniform():
