@@ -121,7 +121,19 @@ def check_resume(out: Path, cfg: DistillConfig) -> set[str]:
         named = ", ".join(f"{k} (file: {a!r}, now: {b!r})" for k, (a, b) in differ.items())
         raise ValueError(f"--out {out} was distilled with other settings: {named}; "
                          "rerun with the file's settings to extend it, or choose another --out")
-    return {json.loads(line)["id"] for line in out.read_text().splitlines() if line.strip()}
+    return _answered_ids(out)
+
+
+def _answered_ids(out: Path) -> set[str]:
+    """Ids of the whole records in `out`; a last line cut off by an interrupted write is
+    dropped from the file (its prompt is answered again)."""
+    text = out.read_text(encoding="utf-8")
+    lines = text.splitlines(keepends=True)
+    if lines and not lines[-1].endswith("\n"):
+        logger.info("%s: dropping a record cut off by an interrupted write", out)
+        out.write_text("".join(lines[:-1]), encoding="utf-8")
+        lines = lines[:-1]
+    return {json.loads(line)["id"] for line in lines if line.strip()}
 
 
 def hf_generator(target: str, cfg: DistillConfig):

@@ -84,6 +84,10 @@ def test_rerun_answers_only_new_prompts_and_other_settings_are_refused(tiny_llam
     assert len(ids) == len(set(ids)) == 5
     with pytest.raises(ValueError, match=r"max_new_tokens \(file: 6, now: 7\)"):
         D.distill(_cfg(tiny_llama_path, data, max_new_tokens=7), out)
+    with out.open("a") as f:
+        f.write('{"id": "cut off')  # an interrupted write: the record is dropped and asked again
+    D.distill(_cfg(tiny_llama_path, data, max_prompts=5), out)
+    assert len(asked) == 5 and out.read_text().endswith("\n")
     stray = tmp_path / "other.jsonl"
     stray.write_text("{}\n")
     with pytest.raises(ValueError, match="not written by specplug distill"):
