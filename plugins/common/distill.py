@@ -24,6 +24,7 @@ import argparse
 import json
 import logging
 import random
+import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -242,7 +243,7 @@ def run(args: argparse.Namespace) -> int:
         summary = distill(cfg, Path(args.out), engine=args.engine, batch_size=args.batch_size, chunk=args.chunk,
                           kv_cache_bytes=int(args.kv_cache_gib * (1 << 30)))
     except ValueError as exc:
-        print(f"specplug distill: {exc}")
+        print(f"specplug distill: {exc}", file=sys.stderr)
         return 2
     print(json.dumps(summary))
     return 0
