@@ -18,19 +18,25 @@ formats (auto-detected on input; --to picks the output):
                 loads in vLLM's and SGLang's built-in eagle3. Canonical EAGLE-3 form.
   speculators   vllm speculators EAGLE-3 (speculators_model_type "eagle3", layers.0.*,
                 transformer_layer_config / speculators_config).
+  eagle1        the EAGLE repo's EAGLE-1 heads (Llama config.json, fc.weight [H, 2H],
+                layers.0.* without input_layernorm, optional embed_tokens / fc.bias;
+                pytorch_model.bin or safetensors). Canonical EAGLE-1 form: --to eagle1
+                re-writes it as model.safetensors after validation.
   medusa        FasterDecoding Medusa (medusa_lm_head.safetensors or .pt,
                 medusa_num_heads / medusa_num_layers). Canonical Medusa form.
   vllm-medusa   vLLM MedusaModel (blocks.{i}.layers.{j}, lm_heads.{i}, num_heads,
                 truncated_vocab_size, optional token_map).
 
 eagle3 <-> speculators and medusa <-> vllm-medusa convert bit-exactly (tensor bytes
-unchanged). What the destination cannot carry is printed as "dropped"; what had to be
-assumed as "note". Weights are read only with safetensors or
+unchanged), and so does eagle1 -> eagle1; heads of different methods never convert.
+What the destination cannot carry is printed as "dropped"; what had to be assumed as
+"note". Weights are read only with safetensors or
 torch.load(weights_only=True). See docs/formats.md.
 
 examples:
   specplug convert ./eagle3-head ./head-speculators --to speculators --target ./target-model
   specplug convert ./medusa-head ./head-vllm --to vllm-medusa --json
+  specplug convert ./EAGLE-LLaMA3-Instruct-8B ./eagle1-head --to eagle1 --target ./llama3-8b
 """
 
 

@@ -32,7 +32,7 @@ from typing import Hashable, Protocol, Sequence
 import torch
 
 from . import tree as tree_lib
-from .heads import Eagle3Head, MedusaHeads
+from .heads import Eagle1Head, Eagle3Head, MedusaHeads
 from .tree import TreeBatch, TreeConfig
 
 logger = logging.getLogger(__name__)
@@ -73,7 +73,7 @@ def _stack_padded(rows: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Ten
     return out, valid
 
 
-# --------------------------------------------------------------------------- EAGLE-3
+# --------------------------------------------------------------------------- EAGLE (1 and 3)
 
 
 @dataclass
@@ -95,7 +95,9 @@ class _Eagle3State:
 
 
 class Eagle3Drafter:
-    """EAGLE-3 drafting: EAGLE-2 dynamic trees (via specplug.common.tree.dynamic) or chains.
+    """EAGLE drafting: EAGLE-2 dynamic trees (via specplug.common.tree.dynamic) or chains,
+    for an Eagle3Head or an Eagle1Head (same interface: combine, forward, compute_logits,
+    to_target_ids, config.draft_vocab_size, config.resolved_aux_layer_ids).
 
     The draft KV cache is small and dense, owned here per request. Tree drafting runs
     the head on each frontier with tree attention over the committed cache plus the
@@ -104,12 +106,12 @@ class Eagle3Drafter:
     committed cache never holds draft-fed entries.
     """
 
-    def __init__(self, head: Eagle3Head, *, aux_layer_ids: Sequence[int] | None = None):
+    def __init__(self, head: Eagle3Head | Eagle1Head, *, aux_layer_ids: Sequence[int] | None = None):
         self.head = head.eval()
         self.aux_layer_ids = None if aux_layer_ids is None else tuple(aux_layer_ids)
         self.states: dict[Hashable, _Eagle3State] = {}
         # [draft_vocab] target id of each draft id
-        self.token_map = head.to_target_ids(torch.arange(head.config.draft_vocab_size, device=head.d2t.device))
+        self.token_map = head.to_target_ids(torch.arange(head.config.draft_vocab_size, device=head.fc.weight.device))
 
     def target_hidden_layers(self, num_target_layers: int) -> tuple[int, ...]:
         if self.aux_layer_ids is not None:
@@ -198,6 +200,9 @@ class Eagle3Drafter:
         if missing:
             raise ValueError(f"requests {missing} have no draft state: call prefill() for them first")
         return [self.states[rid] for rid in request_ids]
+
+
+EagleDrafter = Eagle3Drafter  # the name that says it drives EAGLE-1 heads too
 
 
 class _TreeExpander:

@@ -1,6 +1,6 @@
 """Draft-head checkpoint formats: detect, load (validated), save and convert.
 
-Four on-disk formats, two methods. Each is mapped onto ONE canonical form per method:
+Five on-disk formats, three methods. Each is mapped onto ONE canonical form per method:
 
   method   format         layout (config.json + weights)                      canonical?
   eagle3   "eagle3"       EAGLE / SpecForge `LlamaForCausalLMEagle3`: midlayer.*,  yes
@@ -10,6 +10,8 @@ Four on-disk formats, two methods. Each is mapped onto ONE canonical form per me
   eagle3   "speculators"  vllm speculators: speculators_model_type "eagle3",
                           nested transformer_layer_config / speculators_config,
                           layers.0.* instead of midlayer.*
+  eagle1   "eagle1"       the EAGLE repo's EAGLE-1 heads: Llama config.json, fc.weight  yes
+                          [H, 2H], layers.0.* without input_layernorm (formats_eagle1.py)
   medusa   "medusa"       FasterDecoding: medusa_lm_head.safetensors (or .pt),     yes
                           medusa_num_heads / medusa_num_layers,
                           {head}.{layer}.linear.weight|bias, {head}.{L}.weight
@@ -43,12 +45,14 @@ from typing import Any, Mapping
 
 import torch
 
+from . import formats_eagle1
+
 logger = logging.getLogger(__name__)
 
-METHOD_OF_FORMAT = {"eagle3": "eagle3", "speculators": "eagle3",
+METHOD_OF_FORMAT = {"eagle3": "eagle3", "speculators": "eagle3", "eagle1": "eagle1",
                     "medusa": "medusa", "vllm-medusa": "medusa"}
 FORMATS = tuple(METHOD_OF_FORMAT)
-CANONICAL_FORMAT = {"eagle3": "eagle3", "medusa": "medusa"}
+CANONICAL_FORMAT = {"eagle3": "eagle3", "eagle1": "eagle1", "medusa": "medusa"}
 EAGLE3_ARCHITECTURE = "LlamaForCausalLMEagle3"
 NUM_AUX_HIDDEN_STATES = 3            # EAGLE-3 fuses low / mid / high target layers
 DEFAULT_SPECULATIVE_TOKENS = 3       # speculators_config needs one; used when nothing says
@@ -185,9 +189,11 @@ def _read_tensors(files: list[Path]) -> tuple[dict[str, torch.Tensor], dict[str,
 _MEDUSA_KEY = re.compile(r"^(?:medusa_head\.)?\d+\.\d+\.(?:linear\.)?(?:weight|bias)$")
 
 
-def _format_from_names(names: list[str]) -> str | None:
+def _format_from_names(names: list[str], config: dict) -> str | None:
     if any(n.startswith("midlayer.") for n in names):
         return "eagle3"
+    if formats_eagle1.is_eagle1(names, config):
+        return "eagle1"
     if any(n.startswith("layers.") for n in names) and "fc.weight" in names:
         return "speculators"
     if any(n.split(".")[0] in ("blocks", "lm_heads") or n.startswith("medusa_heads.") for n in names):
@@ -216,9 +222,9 @@ def detect_format(path: str | Path) -> str:
         raise CheckpointError("speculators_model_type", '"eagle3"', repr(kind), f"config.json of {path}",
                               "only EAGLE-3 speculators checkpoints are supported")
     names = _tensor_names(_weight_files(path))
-    fmt = _format_from_names(names)
+    fmt = _format_from_names(names, config)
     if fmt is None:
-        raise CheckpointError("weights", "EAGLE-3 or Medusa tensor names", f"{sorted(names)[:6]} ...",
+        raise CheckpointError("weights", "EAGLE-1, EAGLE-3 or Medusa tensor names", f"{sorted(names)[:6]} ...",
                               str(path), _FIX_FORMATS)
     declared = _method_from_config(config)
     if declared is not None and declared != METHOD_OF_FORMAT[fmt]:
@@ -400,6 +406,8 @@ def _parse(fmt: str, config: dict, tensors: dict, where: str) -> tuple[dict, dic
         return _from_eagle3(config, tensors)
     if fmt == "speculators":
         return _from_speculators(config, tensors, where)
+    if fmt == "eagle1":
+        return formats_eagle1.parse(config, tensors)
     if fmt == "medusa":
         return _from_medusa(config, tensors)
     return _from_vllm_medusa(config, tensors, where)
@@ -630,10 +638,6 @@ def _check_target_eagle3(head: LoadedHead, target: TargetDims) -> None:
                               "train a head for this target, or fix the ids in config.json")
 
 
-def _check_target_medusa(head: LoadedHead, target: TargetDims) -> None:
-    _check_target_dims(head, target, "hidden_size")
-
-
 def _head_dtype(head: LoadedHead) -> str | None:
     weight = next((t for t in head.state_dict.values() if t.dtype.is_floating_point), None)
     return None if weight is None else str(weight.dtype).replace("torch.", "")
@@ -646,11 +650,14 @@ def validate(head: LoadedHead, target_config: Any = None) -> None:
     from the target's is only a WARNING (engines cast the head)."""
     target = None if target_config is None else target_dims(target_config)
     expected = (_eagle3_expected(head.config, _where(head)) if head.method == "eagle3"
+                else formats_eagle1.expected(head) if head.method == "eagle1"
                 else _medusa_expected(head, _where(head)))
     _check_keys(head, *expected)
     _check_shapes_and_dtypes(head, {**expected[0], **expected[1]})
-    if target is not None:
-        (_check_target_eagle3 if head.method == "eagle3" else _check_target_medusa)(head, target)
+    if target is not None and head.method == "eagle3":
+        _check_target_eagle3(head, target)
+    elif target is not None:  # EAGLE-1 and Medusa read the target's final hidden state
+        _check_target_dims(head, target, "hidden_size")
     if head.method == "eagle3":
         _check_vocab_maps(head, target.vocab_size if target else None)
     dtype = _head_dtype(head)
@@ -874,9 +881,14 @@ def _vllm_medusa_state(state: dict, layers: int, keep_bias: bool) -> dict:
     return out
 
 
-_WRITERS = {"eagle3": _to_eagle3, "speculators": _to_speculators, "medusa": _to_medusa,
-            "vllm-medusa": _to_vllm_medusa}
-_WEIGHT_FILE = {"eagle3": "model.safetensors", "speculators": "model.safetensors",
+def _to_eagle1(head: LoadedHead, report: SaveReport, target: Any) -> tuple[dict, dict]:
+    """EAGLE-1 -> EAGLE-1 (e.g. pytorch_model.bin -> model.safetensors): nothing changes."""
+    return copy.deepcopy(head.config), dict(head.state_dict)
+
+
+_WRITERS = {"eagle3": _to_eagle3, "speculators": _to_speculators, "eagle1": _to_eagle1,
+            "medusa": _to_medusa, "vllm-medusa": _to_vllm_medusa}
+_WEIGHT_FILE = {"eagle3": "model.safetensors", "speculators": "model.safetensors", "eagle1": "model.safetensors",
                 "medusa": f"{MEDUSA_HEAD_FILE}.safetensors", "vllm-medusa": "model.safetensors"}
 
 
@@ -893,8 +905,9 @@ def _as_loaded(obj: Any) -> LoadedHead:
         raise TypeError(f"save_head needs a LoadedHead, a (config, state_dict) pair or a head module, "
                         f"got {type(obj).__name__}: load it with load_head first")
     config = config.to_dict() if hasattr(config, "to_dict") else dict(config)
-    method = "medusa" if "medusa_num_heads" in config else "eagle3"
     state = {k: v.detach() for k, v in state.items()}
+    method = ("medusa" if "medusa_num_heads" in config
+              else "eagle1" if formats_eagle1.is_eagle1(list(state), config) else "eagle3")
     return LoadedHead(method=method, format=CANONICAL_FORMAT[method], config=config, state_dict=state)
 
 
@@ -963,10 +976,13 @@ def convert(src: str | Path, dst: str | Path, to: str, *, target_config: Any = N
 # ---------------------------------------------------------------------------------------
 def load_head_module(path: str | Path, target_config: Any = None, *, device: Any = "cpu",
                      dtype: torch.dtype | None = None) -> torch.nn.Module:
-    """Load, validate and build the head's torch module (Eagle3Head or MedusaHeads) on
-    `device`, cast to `dtype` when given (the checkpoint's dtype otherwise)."""
+    """Load, validate and build the head's torch module (Eagle3Head, Eagle1Head or
+    MedusaHeads) on `device`, cast to `dtype` when given (the checkpoint's dtype
+    otherwise). An Eagle1Head still needs `set_target(target_model)` (its lm_head)."""
     head = load_head(path, target_config)
-    if head.method == "eagle3":
+    if head.method == "eagle1":
+        module = formats_eagle1.build_module(head)
+    elif head.method == "eagle3":
         from specplug.common.heads.eagle3 import Eagle3Config, Eagle3Head
         module = Eagle3Head.from_state_dict(Eagle3Config.from_dict(head.config), head.state_dict)
     else:

@@ -1,12 +1,13 @@
-"""Eagle3Drafter / MedusaDrafter on the tiny Llama: tree drafting equals path-by-path
-chains, commit equals a fresh prefill, drafting leaves no state, batches equal singles."""
+"""Eagle3Drafter (with EAGLE-3 and EAGLE-1 heads) / MedusaDrafter on the tiny Llama: tree
+drafting equals path-by-path chains, commit equals a fresh prefill, drafting leaves no
+state, batches equal singles."""
 
 import pytest
 import torch
 
 from specplug.common import tree as tree_lib
-from specplug.common.drafters import Eagle3Drafter, MedusaDrafter, prior_accuracies
-from specplug.common.heads import Eagle3Config, Eagle3Head, MedusaConfig, MedusaHeads
+from specplug.common.drafters import Eagle3Drafter, EagleDrafter, MedusaDrafter, prior_accuracies
+from specplug.common.heads import Eagle1Config, Eagle1Head, Eagle3Config, Eagle3Head, MedusaConfig, MedusaHeads
 from specplug.common.heads.eagle3 import d2t_to_t2d
 from specplug.common.tree import TreeConfig
 
@@ -42,6 +43,19 @@ def random_eagle3_head(target, seed=0, draft_vocab=DRAFT_VOCAB, scale=0.5) -> Ea
         head.d2t.copy_(ids - torch.arange(draft_vocab))
         head.t2d.copy_(d2t_to_t2d(head.d2t, cfg.vocab_size))
     head.set_target_embedding(target.get_input_embeddings())
+    return head.eval()
+
+
+def random_eagle1_head(target, seed=0) -> Eagle1Head:
+    """A random EAGLE-1 head for `target`, scoring with the target's lm_head and embedding;
+    weights ~ N(0, 1/fan_in) keep its output near the target's feature scale."""
+    gen = torch.Generator().manual_seed(seed)
+    head = Eagle1Head(Eagle1Config.for_target(target.config))
+    with torch.no_grad():
+        for p in head.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * (p.shape[-1] ** -0.5 if p.dim() > 1 else 0.1)
+                    + (p.dim() == 1))
+    head.set_target(target)
     return head.eval()
 
 
@@ -114,8 +128,9 @@ def test_eagle3_chain_is_greedy_rollout(target):
             assert chain_scores(drafter, 0, alt)[-1] <= base + 1e-5
 
 
-def test_eagle3_draft_leaves_state_untouched_and_commit_equals_prefill(target):
-    head = random_eagle3_head(target)
+@pytest.mark.parametrize("make_head", ["random_eagle3_head", "random_eagle1_head"])
+def test_eagle_draft_leaves_state_untouched_and_commit_equals_prefill(target, make_head):
+    head = globals()[make_head](target)
     drafter, fresh = Eagle3Drafter(head), Eagle3Drafter(head)
     prefill(drafter, target, 0, PROMPT, 7)
     first = drafter.draft([0], TreeConfig(3, 2, 5))
@@ -163,6 +178,20 @@ def test_eagle3_drafter_errors(target):
         drafter.commit([0, 1], [torch.tensor([3])], [torch.zeros(2, 3)], torch.tensor([5]))
     drafter.release([0])
     assert 0 not in drafter.states
+
+
+# -- EAGLE-1 (the same drafter) ---------------------------------------------------------------
+def test_eagle1_tree_scores_equal_path_by_path_chains(target):
+    """Deeper nodes read their parent's head output as the feature, like one-at-a-time drafting."""
+    drafter = EagleDrafter(random_eagle1_head(target))
+    assert drafter.target_hidden_layers(4) == (4,) and drafter.token_map.shape == (target.config.vocab_size,)
+    prefill(drafter, target, "a", PROMPT, 7)
+    (tree,) = drafter.draft(["a"], TreeConfig(depth=3, topk=3, budget=8)).unbind()
+    assert tree.num_nodes == 9 and int(tree.tokens[0]) == 7
+    anc = tree.attention_mask()
+    for node in range(1, tree.num_nodes):
+        want = chain_scores(drafter, "a", tree.tokens[anc[node].nonzero().flatten()])[-1]
+        assert abs(float(tree.scores[node]) - want) < 1e-4, f"node {node}"
 
 
 # -- Medusa -----------------------------------------------------------------------------------

@@ -1,12 +1,12 @@
-"""Eagle3Head / MedusaHeads: canonical names, config round trips, the EAGLE-3 math,
-cache and tree-mask consistency, strict loading."""
+"""Eagle3Head / Eagle1Head / MedusaHeads: canonical names, config round trips, the EAGLE-3
+and EAGLE-1 math, cache and tree-mask consistency, strict loading."""
 
 import math
 
 import pytest
 import torch
 
-from specplug.common.heads import Eagle3Config, Eagle3Head, MedusaConfig, MedusaHeads
+from specplug.common.heads import Eagle1Config, Eagle1Head, Eagle3Config, Eagle3Head, MedusaConfig, MedusaHeads
 from specplug.common.heads.eagle3 import d2t_to_t2d, rope_inv_freq
 
 SMALL = dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
@@ -20,12 +20,16 @@ EAGLE3_KEYS = {
 }
 
 
-def make_head(seed=0, **kw) -> Eagle3Head:
+def randomized(head, seed=0):
+    """`head` with N(0, 0.3) matrices and norms away from 1 (so a swapped norm shows up), in eval mode."""
     torch.manual_seed(seed)
-    head = Eagle3Head(Eagle3Config(**{**SMALL, **kw}), own_embedding=True)
-    for p in head.parameters():  # norms away from 1 so a swapped norm shows up
+    for p in head.parameters():
         torch.nn.init.normal_(p, 0.0, 0.3) if p.dim() > 1 else torch.nn.init.uniform_(p, 0.5, 1.5)
     return head.eval()
+
+
+def make_head(seed=0, **kw) -> Eagle3Head:
+    return randomized(Eagle3Head(Eagle3Config(**{**SMALL, **kw}), own_embedding=True), seed)
 
 
 def causal(t, past=0):
@@ -232,6 +236,108 @@ def test_norm_before_residual_changes_the_output():
     assert not torch.allclose(a(*args).hidden, b(*args).hidden)
     assert b.config.to_dict()["norm_before_residual"] is True  # top level: where vLLM reads it
     assert Eagle3Config.from_dict(b.config.to_dict()).norm_before_residual
+
+
+# -- EAGLE-1 ------------------------------------------------------------------------------
+EAGLE1 = dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, vocab_size=100)
+EAGLE1_KEYS = {"fc.weight", "fc.bias", "layers.0.post_attention_layernorm.weight",
+               *(f"layers.0.{n}.weight" for n in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+                                                  "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj",
+                                                  "mlp.down_proj"))}
+
+
+def make_eagle1_head(seed=0, **kw) -> tuple[Eagle1Head, torch.nn.Linear]:
+    """A random EAGLE-1 head with its own embedding, and the stand-in target lm_head it scores with."""
+    head = randomized(Eagle1Head(Eagle1Config(**{**EAGLE1, "fc_bias": True, **kw}), own_embedding=True), seed)
+    lm_head = torch.nn.Linear(32, 100, bias=False)
+    head.set_target_lm_head(lm_head)
+    return head, lm_head
+
+
+def test_eagle1_names_config_round_trip_and_interface():
+    raw = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "num_hidden_layers": 1, **EAGLE1,
+           "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "bias": False, "torch_dtype": "float16",
+           "pretraining_tp": 1, "specplug": {"version": 1}}
+    cfg = Eagle1Config.from_dict(raw)
+    assert (cfg.fc_bias, cfg.head_dim, cfg.draft_vocab_size) == (False, 8, 100)
+    out = cfg.to_dict()
+    assert {k: out[k] for k in raw} == raw and Eagle1Config.from_dict(out) == cfg
+    assert cfg.resolved_aux_layer_ids(30) == (30,)  # HF hidden_states[L]: the final-norm output
+    head = Eagle1Head(Eagle1Config(**EAGLE1))
+    assert set(head.state_dict()) == EAGLE1_KEYS  # no bias key: the EAGLE repo's default fc bias
+    assert head.state_dict()["layers.0.self_attn.q_proj.weight"].shape == (32, 32)  # q/k/v read H
+    assert head.state_dict()["fc.weight"].shape == (32, 64)
+    assert "fc.bias" not in Eagle1Head(cfg).state_dict()
+    ids = torch.tensor([[3, 99]])
+    assert torch.equal(head.to_target_ids(ids), ids)
+    feature = torch.randn(2, 32, dtype=torch.float64)
+    assert torch.equal(head.combine(feature), feature.float())
+
+
+def test_eagle1_config_errors():
+    with pytest.raises(ValueError, match="num_hidden_layers"):
+        Eagle1Config.from_dict({**EAGLE1, "num_hidden_layers": 2})
+    with pytest.raises(ValueError, match="not an EAGLE-1 head"):
+        Eagle1Config.from_dict({**EAGLE1, "architectures": ["LlamaForCausalLMEagle3"]})
+    with pytest.raises(ValueError, match="missing"):
+        Eagle1Config.from_dict({"hidden_size": 32})
+    with pytest.raises(ValueError, match="num_key_value_heads"):
+        Eagle1Config(**{**EAGLE1, "num_key_value_heads": 3})
+    head = Eagle1Head(Eagle1Config(**EAGLE1))
+    with pytest.raises(ValueError, match="set_target_lm_head"):
+        head.compute_logits(torch.zeros(1, 32))
+    with pytest.raises(ValueError, match=r"target lm_head must be \[vocab_size, hidden_size\] = \[100, 32\]"):
+        head.set_target_lm_head(torch.nn.Linear(32, 99, bias=False))
+    with pytest.raises(ValueError, match="set_target_embedding"):
+        head.embed(torch.tensor([[1]]))
+
+
+def test_eagle1_from_state_dict_strict_and_bias_from_weights():
+    head, _ = make_eagle1_head()
+    sd = head.state_dict()
+    again = Eagle1Head.from_state_dict(Eagle1Config(**EAGLE1), sd)  # fc_bias None: the weights decide
+    assert again.config.fc_bias is True and all(torch.equal(v, again.state_dict()[k]) for k, v in sd.items())
+    unbiased = Eagle1Head.from_state_dict(Eagle1Config(**EAGLE1), {k: v for k, v in sd.items() if k != "fc.bias"})
+    assert unbiased.fc.bias is None and "embed_tokens.weight" in unbiased.state_dict()
+    with pytest.raises(ValueError, match=r"unexpected keys \['fc.bias'\]"):
+        Eagle1Head.from_state_dict(Eagle1Config(**EAGLE1, fc_bias=False), sd)
+    with pytest.raises(ValueError, match="fc.weight has shape"):
+        Eagle1Head.from_state_dict(head.config, {**sd, "fc.weight": torch.zeros(32, 96)})
+    half = Eagle1Head.from_state_dict(head.config, {k: v.half() for k, v in sd.items()})
+    assert half.fc.weight.dtype == torch.float16 and half.inv_freq.dtype == torch.float32
+
+
+def test_eagle1_forward_matches_hand_computation_at_one_position():
+    """One position attends only to itself (softmax weight 1, so RoPE drops out):
+    x = fc([emb; f]), a = o(v(x)) + x (no input norm), r = mlp(post_norm(a)) + a,
+    logits = target lm_head(r) with no norm."""
+    head, lm_head = make_eagle1_head()
+    layer, eps = head.layers[0], head.config.rms_norm_eps
+    token, feature = 7, torch.randn(32)
+    out = head(torch.tensor([[token]]), feature[None, None], torch.tensor([[5]]), causal(1))
+    x = head.fc.weight @ torch.cat([head.embed_tokens.weight[token], feature]) + head.fc.bias
+    v = (layer.self_attn.v_proj.weight @ x).view(2, 8)  # [kv_heads, head_dim]
+    a = layer.self_attn.o_proj.weight @ v.repeat_interleave(2, 0).flatten() + x  # query head h reads kv head h // 2
+    n = rms(a, layer.post_attention_layernorm.weight, eps)
+    m = layer.mlp
+    r = m.down_proj.weight @ (torch.nn.functional.silu(m.gate_proj.weight @ n) * (m.up_proj.weight @ n)) + a
+    torch.testing.assert_close(out.hidden[0, 0], r, rtol=1e-5, atol=1e-5)
+    assert out.normed is out.hidden  # no final norm in EAGLE-1
+    torch.testing.assert_close(head.compute_logits(out.normed)[0, 0], lm_head.weight @ r, rtol=1e-5, atol=1e-4)
+    assert out.kv[0].shape == (1, 2, 1, 8)
+
+
+def test_eagle1_incremental_cache_equals_full_forward():
+    """Token-by-token with the returned (k, v) equals the causal full pass."""
+    head, _ = make_eagle1_head()
+    ids, f, pos = torch.randint(0, 100, (1, 5)), torch.randn(1, 5, 32), torch.arange(5)[None]
+    full = head(ids, f, pos, causal(5))
+    k = v = None
+    for t in range(5):
+        step = head(ids[:, t:t + 1], f[:, t:t + 1], pos[:, t:t + 1], causal(1, t), None if k is None else (k, v))
+        k = step.kv[0] if k is None else torch.cat([k, step.kv[0]], 2)
+        v = step.kv[1] if v is None else torch.cat([v, step.kv[1]], 2)
+        torch.testing.assert_close(step.hidden[0, 0], full.hidden[0, t], rtol=1e-4, atol=1e-4)
 
 
 # -- Medusa -------------------------------------------------------------------------------

@@ -55,6 +55,60 @@ def _get(cfg: Any, key: str, default: Any = None) -> Any:
     return getattr(cfg, key, default)
 
 
+def rope_settings(config: Any) -> tuple[float, dict | None]:
+    """(rope_theta, rope_scaling) of a Llama config, also from transformers-5 `rope_parameters`;
+    plain RoPE gives rope_scaling None (what older readers such as the EAGLE repo expect)."""
+    rope = dict(_get(config, "rope_parameters") or {})
+    scaling = _get(config, "rope_scaling")
+    if scaling is None and rope.get("rope_type", "default") != "default":
+        scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
+    if scaling is not None and scaling.get("rope_type", scaling.get("type")) == "default":
+        scaling = None
+    return _get(config, "rope_theta") or rope.get("rope_theta", 10000.0), scaling
+
+
+def llama_fields(config: Any, what: str) -> dict[str, Any]:
+    """The Llama decoder-layer fields every EAGLE head config shares, read from a
+    config.json dict or a transformers config; ValueError names missing keys."""
+    missing = [k for k in ("hidden_size", "intermediate_size", "num_attention_heads", "vocab_size")
+               if _get(config, k) is None]
+    if missing:
+        raise ValueError(f"{what} config.json is missing {missing}: add them (copy from the target's config)")
+    rope_theta, rope_scaling = rope_settings(config)
+    return dict(
+        hidden_size=_get(config, "hidden_size"),
+        intermediate_size=_get(config, "intermediate_size"),
+        num_attention_heads=_get(config, "num_attention_heads"),
+        num_key_value_heads=_get(config, "num_key_value_heads") or _get(config, "num_attention_heads"),
+        vocab_size=_get(config, "vocab_size"),
+        head_dim=_get(config, "head_dim"),
+        rms_norm_eps=_get(config, "rms_norm_eps", 1e-6),
+        rope_theta=rope_theta,
+        rope_scaling=rope_scaling,
+        max_position_embeddings=_get(config, "max_position_embeddings", 2048),
+        hidden_act=_get(config, "hidden_act", "silu"),
+    )
+
+
+def check_llama_shape(config: Any, what: str) -> None:
+    """Fill a frozen config's head_dim (hidden / heads) and check heads, KV heads and the
+    activation; ValueError names the field and the fix."""
+    if config.head_dim is None:
+        if config.hidden_size % config.num_attention_heads:
+            raise ValueError(
+                f"hidden_size {config.hidden_size} is not divisible by num_attention_heads "
+                f"{config.num_attention_heads}: set head_dim in the head's config.json"
+            )
+        object.__setattr__(config, "head_dim", config.hidden_size // config.num_attention_heads)
+    if config.num_attention_heads % config.num_key_value_heads:
+        raise ValueError(
+            f"num_attention_heads {config.num_attention_heads} is not a multiple of "
+            f"num_key_value_heads {config.num_key_value_heads}: fix the head's config.json"
+        )
+    if config.hidden_act != "silu":
+        raise ValueError(f"hidden_act must be 'silu' for an {what} Llama head, got {config.hidden_act!r}")
+
+
 # Keys of the canonical config.json that Eagle3Config models; all others go to `extra`.
 _FIXED_KEYS = {"architectures", "model_type", "num_hidden_layers", "eagle_config",
                "tie_word_embeddings", "specplug", "rope_parameters", "norm_before_residual"}
@@ -91,20 +145,7 @@ class Eagle3Config:
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self):
-        if self.head_dim is None:
-            if self.hidden_size % self.num_attention_heads:
-                raise ValueError(
-                    f"hidden_size {self.hidden_size} is not divisible by num_attention_heads "
-                    f"{self.num_attention_heads}: set head_dim in the head's config.json"
-                )
-            object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(
-                f"num_attention_heads {self.num_attention_heads} is not a multiple of "
-                f"num_key_value_heads {self.num_key_value_heads}: fix the head's config.json"
-            )
-        if self.hidden_act != "silu":
-            raise ValueError(f"hidden_act must be 'silu' for an EAGLE-3 Llama head, got {self.hidden_act!r}")
+        check_llama_shape(self, "EAGLE-3")
         if self.aux_layer_ids is not None:
             object.__setattr__(self, "aux_layer_ids", tuple(int(i) for i in self.aux_layer_ids))
             if len(self.aux_layer_ids) != NUM_AUX_HIDDEN_STATES:
@@ -150,33 +191,15 @@ class Eagle3Config:
                 raise ValueError(f"EAGLE-3 variant with {key}=true is not supported by specplug")
         if eagle.get("use_aux_hidden_state", True) is False:
             raise ValueError("eagle_config.use_aux_hidden_state=false (EAGLE-1 style) is not supported")
-        missing = [k for k in ("hidden_size", "intermediate_size", "num_attention_heads", "vocab_size")
-                   if k not in config]
-        if missing:
-            raise ValueError(f"EAGLE-3 config.json is missing {missing}: add them (copy from the target's config)")
-        rope_params = dict(config.get("rope_parameters") or {})
-        rope_scaling = config.get("rope_scaling")
-        if rope_scaling is None and rope_params.get("rope_type", "default") != "default":
-            rope_scaling = {k: v for k, v in rope_params.items() if k != "rope_theta"}
         known = {f.name for f in dataclasses.fields(cls)}
         return cls(
-            hidden_size=config["hidden_size"],
-            intermediate_size=config["intermediate_size"],
-            num_attention_heads=config["num_attention_heads"],
-            num_key_value_heads=config.get("num_key_value_heads", config["num_attention_heads"]),
-            vocab_size=config["vocab_size"],
+            **llama_fields(config, "EAGLE-3"),
             draft_vocab_size=config.get("draft_vocab_size") or config["vocab_size"],
             target_hidden_size=config.get("target_hidden_size") or config["hidden_size"],
-            head_dim=config.get("head_dim"),
-            rms_norm_eps=config.get("rms_norm_eps", 1e-6),
-            rope_theta=config.get("rope_theta", rope_params.get("rope_theta", 10000.0)),
-            rope_scaling=rope_scaling,
-            max_position_embeddings=config.get("max_position_embeddings", 2048),
             aux_layer_ids=eagle.get("eagle_aux_hidden_state_layer_ids",
                                     config.get("eagle_aux_hidden_state_layer_ids")),
             attention_bias=config.get("attention_bias", False),
             norm_before_residual=bool(config.get("norm_before_residual", eagle.get("norm_before_residual", False))),
-            hidden_act=config.get("hidden_act", "silu"),
             specplug=config.get("specplug"),
             extra={k: v for k, v in config.items()
                    if k not in known and k not in _FIXED_KEYS and k != "eagle_aux_hidden_state_layer_ids"},
@@ -208,26 +231,10 @@ class Eagle3Config:
                    aux_layer_ids: tuple[int, ...] | None = None, **overrides) -> "Eagle3Config":
         """A head shaped like `target_config` (a transformers config or its dict): same
         width, heads, MLP, norm eps and RoPE; `draft_vocab_size` defaults to the target vocab."""
-        rope = _get(target_config, "rope_parameters") or {}
-        rope_scaling = _get(target_config, "rope_scaling")
-        if rope_scaling is None and rope.get("rope_type", "default") != "default":
-            rope_scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
-        vocab = _get(target_config, "vocab_size")
-        kwargs = dict(
-            hidden_size=_get(target_config, "hidden_size"),
-            intermediate_size=_get(target_config, "intermediate_size"),
-            num_attention_heads=_get(target_config, "num_attention_heads"),
-            num_key_value_heads=_get(target_config, "num_key_value_heads") or _get(target_config, "num_attention_heads"),
-            head_dim=_get(target_config, "head_dim"),
-            vocab_size=vocab,
-            draft_vocab_size=draft_vocab_size or vocab,
-            target_hidden_size=_get(target_config, "hidden_size"),
-            rms_norm_eps=_get(target_config, "rms_norm_eps", 1e-6),
-            rope_theta=_get(target_config, "rope_theta") or rope.get("rope_theta", 10000.0),
-            rope_scaling=rope_scaling,
-            max_position_embeddings=_get(target_config, "max_position_embeddings", 2048),
-            aux_layer_ids=aux_layer_ids,
-        )
+        kwargs = llama_fields(target_config, "target")
+        kwargs.pop("hidden_act")
+        kwargs.update(draft_vocab_size=draft_vocab_size or kwargs["vocab_size"],
+                      target_hidden_size=kwargs["hidden_size"], aux_layer_ids=aux_layer_ids)
         kwargs.update(overrides)
         return cls(**kwargs)
 
@@ -246,7 +253,7 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(x.dtype)
 
 
-def rope_inv_freq(config: Eagle3Config) -> torch.Tensor:
+def rope_inv_freq(config: Any) -> torch.Tensor:
     """RoPE inverse frequencies [head_dim/2] for the target's rope settings
     (default, linear, llama3); other rope types raise ValueError."""
     dim = config.head_dim
@@ -260,7 +267,7 @@ def rope_inv_freq(config: Eagle3Config) -> torch.Tensor:
     if rope_type == "llama3":
         return _llama3_inv_freq(inv_freq, scaling).float()
     raise ValueError(
-        f"rope_scaling type {rope_type!r} is not supported by the specplug EAGLE-3 head "
+        f"rope_scaling type {rope_type!r} is not supported by the specplug EAGLE heads "
         "(supported: default, linear, llama3)"
     )
 
@@ -291,16 +298,18 @@ def apply_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor)
 
 
 class Eagle3Attention(nn.Module):
-    """Llama attention whose q/k/v read the 2H-wide [embedding ; hidden] input."""
+    """Llama attention whose q/k/v read the 2H-wide [embedding ; hidden] input (EAGLE-3),
+    or an `input_size`-wide one (EAGLE-1: H); `bias` (q/k/v) defaults to attention_bias."""
 
-    def __init__(self, config: Eagle3Config):
+    def __init__(self, config: Eagle3Config, *, input_size: int | None = None, bias: bool | None = None):
         super().__init__()
         h, d = config.hidden_size, config.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, d
-        bias = config.attention_bias
-        self.q_proj = nn.Linear(2 * h, self.num_heads * d, bias=bias)
-        self.k_proj = nn.Linear(2 * h, self.num_kv_heads * d, bias=bias)
-        self.v_proj = nn.Linear(2 * h, self.num_kv_heads * d, bias=bias)
+        bias = config.attention_bias if bias is None else bias
+        width = 2 * h if input_size is None else input_size
+        self.q_proj = nn.Linear(width, self.num_heads * d, bias=bias)
+        self.k_proj = nn.Linear(width, self.num_kv_heads * d, bias=bias)
+        self.v_proj = nn.Linear(width, self.num_kv_heads * d, bias=bias)
         self.o_proj = nn.Linear(self.num_heads * d, h, bias=False)
 
     def _split(self, x: torch.Tensor, heads: int) -> torch.Tensor:
@@ -308,7 +317,7 @@ class Eagle3Attention(nn.Module):
         return x.view(b, t, heads, self.head_dim).transpose(1, 2)  # [B, heads, T, D]
 
     def forward(self, x, positions, attention_mask, past_kv, inv_freq):
-        """x [B, T, 2H]; attention_mask Bool [B, T, S+T]; past_kv (k, v) [B, kvh, S, D] or None.
+        """x [B, T, 2H] (or [B, T, input_size]); attention_mask Bool [B, T, S+T]; past_kv (k, v) [B, kvh, S, D] or None.
         Returns (out [B, T, H], (k_new, v_new) [B, kvh, T, D])."""
         q = apply_rope(self._split(self.q_proj(x), self.num_heads), positions, inv_freq)
         k_new = apply_rope(self._split(self.k_proj(x), self.num_kv_heads), positions, inv_freq)
@@ -365,12 +374,53 @@ class Eagle3Output(NamedTuple):
     kv: tuple[torch.Tensor, torch.Tensor]  # (k, v) [B, kv_heads, T, head_dim] of the T inputs
 
 
-class Eagle3Head(nn.Module):
+class TargetEmbedding:
+    """Mixin for heads that may share the target's input embedding: `embed` uses the head's
+    own `embed_tokens` when it has one, else the module set with `set_target_embedding`
+    (held in a list, so it stays out of the state_dict). Needs `config.vocab_size`,
+    `config.hidden_size`, `fc`, `_target_embedding: list` and a `KIND` string."""
+
+    KIND = "EAGLE"
+
+    def set_target_embedding(self, embedding: nn.Module) -> None:
+        """Share the target's input embedding (used when the checkpoint has no embed_tokens)."""
+        self._target_embedding[:] = [checked_vocab_matrix(embedding, self.config, "target embedding")]
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if hasattr(self, "embed_tokens"):
+            return self.embed_tokens(input_ids)
+        if not self._target_embedding:
+            raise ValueError(f"this {self.KIND} head has no embed_tokens: "
+                             "call set_target_embedding(target's embedding)")
+        return self._target_embedding[0](input_ids).to(self.fc.weight.dtype)
+
+
+def checked_vocab_matrix(module: nn.Module, config: Any, what: str) -> nn.Module:
+    """`module` if its weight is [vocab_size, hidden_size] (an embedding or lm_head), else ValueError."""
+    weight = getattr(module, "weight", None)
+    if weight is None or tuple(weight.shape) != (config.vocab_size, config.hidden_size):
+        raise ValueError(
+            f"{what} must be [vocab_size, hidden_size] = [{config.vocab_size}, {config.hidden_size}], got "
+            f"{None if weight is None else list(weight.shape)}: the head was made for another target"
+        )
+    return module
+
+
+def load_checked(head: nn.Module, given: Mapping[str, torch.Tensor], what: str) -> None:
+    """Strict-check `given` against head's own state_dict, take fc.weight's dtype, load."""
+    check_state_dict(head.state_dict(), given, what)
+    head.to(given["fc.weight"].dtype)
+    head.load_state_dict(given, strict=True)
+
+
+class Eagle3Head(TargetEmbedding, nn.Module):
     """EAGLE-3 draft head. state_dict keys are exactly EAGLE / SpecForge's:
     fc.weight [H, 3Ht], midlayer.*, norm.weight, lm_head.weight [draft_vocab, H],
     d2t int64 [draft_vocab], t2d bool [vocab], optional embed_tokens.weight [vocab, H].
     Without its own embed_tokens the head uses the target's, set with
     `set_target_embedding` (kept out of the state_dict)."""
+
+    KIND = "EAGLE-3"
 
     def __init__(self, config: Eagle3Config, *, own_embedding: bool = False):
         super().__init__()
@@ -403,35 +453,14 @@ class Eagle3Head(nn.Module):
         if config.draft_vocab_size == config.vocab_size:
             given.setdefault("d2t", head.d2t)
             given.setdefault("t2d", head.t2d)
-        check_state_dict(head.state_dict(), given, "EAGLE-3 head")
-        dtype = given["fc.weight"].dtype
-        head.to(dtype)
-        head.load_state_dict(given, strict=True)
+        load_checked(head, given, "EAGLE-3 head")
         head.d2t.copy_(given["d2t"].long())
         head.t2d.copy_(given["t2d"].bool())
         if target_embedding is not None:
             head.set_target_embedding(target_embedding)
         return head
 
-    def set_target_embedding(self, embedding: nn.Module) -> None:
-        """Share the target's input embedding (used when the checkpoint has no embed_tokens)."""
-        weight = getattr(embedding, "weight", None)
-        if weight is None or tuple(weight.shape) != (self.config.vocab_size, self.config.hidden_size):
-            raise ValueError(
-                f"target embedding must be [vocab_size, hidden_size] = "
-                f"[{self.config.vocab_size}, {self.config.hidden_size}], got "
-                f"{None if weight is None else list(weight.shape)}: the head was made for another target"
-            )
-        self._target_embedding[:] = [embedding]
-
     # -- forward pieces ----------------------------------------------------------------
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        if hasattr(self, "embed_tokens"):
-            return self.embed_tokens(input_ids)
-        if not self._target_embedding:
-            raise ValueError("this EAGLE-3 head has no embed_tokens: call set_target_embedding(target's embedding)")
-        return self._target_embedding[0](input_ids).to(self.fc.weight.dtype)
-
     def combine(self, aux_hidden: torch.Tensor) -> torch.Tensor:
         """Fuse the target's aux hidden states: [..., 3*Ht] -> [..., H]."""
         return self.fc(aux_hidden.to(self.fc.weight))  # the head's dtype and device
