@@ -18,6 +18,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("specplug.common.train", "train EAGLE-3 or Medusa heads for a Hugging Face causal LM"),
     "distill": ("specplug.common.distill",
                 "write the target's own replies to a prompt set (self-distilled training data), resumable"),
+    "draft-model": ("specplug.common.draft_model_cli",
+                    "cut a draft model out of a target; choose self-speculation layers by measured acceptance"),
     "bench": ("specplug.bench", "measure speed-up and acceptance against the engine without speculation"),
     "serve": ("specplug.vllm_eagle3.serve",
               "start vLLM's OpenAI server (`vllm serve ARGS`), also on vLLM's CPU build where `vllm serve` fails"),

@@ -73,6 +73,42 @@ def _stack_padded(rows: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Ten
     return out, valid
 
 
+class SampledDrafts:
+    """Sampled drafting for a model-backed drafter: trees drawn i.i.d. from
+    q = softmax(draft log-probs / temperature) (specplug.common.tree.sampled), with
+    TreeBatch.draft_probs = q, to verify with method "rejection". ``temperature`` None
+    turns it off (deterministic top-k trees). ``seed`` gives each request a generator
+    seeded at prefill, so a request's drafts reproduce whatever its batch mates."""
+
+    def __init__(self, temperature: float | None = None, seed: int | None = None):
+        if temperature is not None and not temperature > 0:
+            raise ValueError(f"temperature must be > 0 for sampled drafts (or None for top-k trees), got {temperature}")
+        self.temperature, self.seed = temperature, seed
+        self.generators: dict[Hashable, torch.Generator] = {}
+
+    @property
+    def on(self) -> bool:
+        return self.temperature is not None
+
+    def start(self, request_ids, device) -> None:
+        if self.on and self.seed is not None:
+            for rid in request_ids:
+                self.generators[rid] = torch.Generator(device).manual_seed(self.seed)
+
+    def release(self, request_ids) -> None:
+        for rid in request_ids:
+            self.generators.pop(rid, None)
+
+    def q(self, logprobs: torch.Tensor) -> torch.Tensor:
+        return (logprobs / self.temperature).softmax(-1)
+
+    def draft(self, expand, root_tokens, root_logprobs, tree: TreeConfig, request_ids, **vocab) -> TreeBatch:
+        """``tree.topk`` sampled chains of ``tree.depth`` sharing the root (budget unused)."""
+        return tree_lib.sampled(lambda f: self.q(expand(f)), root_tokens, self.q(root_logprobs),
+                                depth=tree.depth, width=tree.topk,
+                                generators=[self.generators.get(rid) for rid in request_ids], **vocab)
+
+
 # --------------------------------------------------------------------------- EAGLE (1 and 3)
 
 
@@ -106,10 +142,12 @@ class Eagle3Drafter:
     committed cache never holds draft-fed entries.
     """
 
-    def __init__(self, head: Eagle3Head | Eagle1Head, *, aux_layer_ids: Sequence[int] | None = None):
+    def __init__(self, head: Eagle3Head | Eagle1Head, *, aux_layer_ids: Sequence[int] | None = None,
+                 temperature: float | None = None, seed: int | None = None):
         self.head = head.eval()
         self.aux_layer_ids = None if aux_layer_ids is None else tuple(aux_layer_ids)
         self.states: dict[Hashable, _Eagle3State] = {}
+        self.sampled = SampledDrafts(temperature, seed)
         # [draft_vocab] target id of each draft id
         self.token_map = head.to_target_ids(torch.arange(head.config.draft_vocab_size, device=head.fc.weight.device))
 
@@ -124,6 +162,7 @@ class Eagle3Drafter:
         _check_batch(request_ids, prompt_ids=prompt_ids, hidden=hidden, first_tokens=first_tokens)
         for rid in request_ids:
             self.states.pop(rid, None)
+        self.sampled.start(request_ids, self.token_map.device)
         self._extend(request_ids, _shifted(prompt_ids, first_tokens, start=1), hidden)
 
     @torch.no_grad()
@@ -134,6 +173,7 @@ class Eagle3Drafter:
     def release(self, request_ids) -> None:
         for rid in request_ids:
             self.states.pop(rid, None)
+        self.sampled.release(request_ids)
 
     def _extend(self, request_ids, next_tokens, aux_hidden) -> None:
         """Run the head on (next_tokens[b][i], target aux state i) pairs, causally after each
@@ -183,11 +223,15 @@ class Eagle3Drafter:
     @torch.no_grad()
     def draft(self, request_ids, tree: TreeConfig = TreeConfig()) -> TreeBatch:
         """EAGLE-2 dynamic trees (depth, topk, budget from `tree`) rooted at each request's
-        last committed token. Leaves the committed state untouched."""
+        last committed token, or trees sampled from q (see SampledDrafts). Leaves the
+        committed state untouched."""
         states = self._states(request_ids)
         root_tokens = torch.tensor([s.root_token for s in states], device=self.token_map.device)
         root_logprobs = torch.stack([s.logprobs for s in states])  # [B, V']
         expand = _TreeExpander(self, request_ids)
+        if self.sampled.on:
+            return self.sampled.draft(expand, root_tokens, root_logprobs, tree, request_ids,
+                                      token_map=self.token_map, vocab_size=self.head.config.vocab_size)
         return tree_lib.dynamic(expand, root_tokens, root_logprobs, depth=tree.depth, topk=tree.topk,
                                 budget=tree.budget, token_map=self.token_map)
 

@@ -97,7 +97,10 @@ def _keep_cache(cache, past_len: int, path: torch.Tensor) -> None:
 
 
 def _hidden(out, layer_ids: tuple[int, ...]) -> torch.Tensor:
-    """Concatenate the requested Hugging Face hidden_states entries: -> [T, Hc] of batch row 0."""
+    """Concatenate the requested Hugging Face hidden_states entries: -> [T, Hc] of batch row 0
+    (Hc = 0 for drafters that read no target states)."""
+    if not layer_ids:
+        return out.logits.new_zeros(out.logits.shape[1], 0)
     return torch.cat([out.hidden_states[i][0] for i in layer_ids], -1)
 
 
@@ -128,9 +131,11 @@ class _Loop:
         self.drafter.prefill([self.rid], [prompt], [_hidden(out, self.layer_ids)], first)
         return int(first[0])
 
-    def verify(self, tree: DraftTree, logits: torch.Tensor):
+    def verify(self, tree: DraftTree, logits: torch.Tensor, q: torch.Tensor | None = None):
+        """q: the draft's [1, N, V] when the tree was sampled from it (used by "rejection")."""
         p = _target_probs(logits, self.sampling, self.method)  # [1, N, V]
-        return verify(tree.tokens[None].to(self.device), tree.parents[None].to(self.device), p,
+        q = q.to(self.device) if q is not None and self.method == "rejection" else None
+        return verify(tree.tokens[None].to(self.device), tree.parents[None].to(self.device), p, q,
                       method=self.method, generators=self.generators)
 
     def score(self, tree: DraftTree):
@@ -138,10 +143,10 @@ class _Loop:
         return self.forward(tree.tokens, attention_mask=_tree_mask(tree, self.past_len, self.dtype, self.device),
                             position_ids=tree.positions(self.past_len)[None].to(self.device))
 
-    def step(self, tree: DraftTree) -> tuple[list[int], int]:
-        """Verify one tree; returns (emitted tokens, draft tokens accepted)."""
+    def step(self, tree: DraftTree, q: torch.Tensor | None = None) -> tuple[list[int], int]:
+        """Verify one tree (q: see verify); returns (emitted tokens, draft tokens accepted)."""
         out = self.score(tree)
-        result = self.verify(tree, out.logits)
+        result = self.verify(tree, out.logits, q)
         path = result.accepted_nodes[0]
         path = path[path >= 0].cpu()  # root..last accepted node
         _keep_cache(self.cache, self.past_len, path)
@@ -160,7 +165,8 @@ def generate(target, drafter: Drafter, prompt_ids, max_new_tokens: int, *, tree:
 
     prompt_ids: Long [n] or [1, n]. tree: the drafter's tree settings (topk 1 = chain
     of `depth`). sampling: None = greedy; temperature 0 = greedy; otherwise the lossless
-    target-only rejection rule, reproducible with sampling.seed. method overrides the verify rule
+    rejection rule (target-only, or with the draft's q when the drafter returns
+    draft_probs), reproducible with sampling.seed. method overrides the verify rule
     ("greedy" | "rejection" | "typical" (lossy)). eos_token_id defaults to the target's
     generation_config; generation stops after it, like `target.generate`.
     """
@@ -181,8 +187,10 @@ def generate(target, drafter: Drafter, prompt_ids, max_new_tokens: int, *, tree:
     stats = AcceptanceStats()
     try:
         while len(tokens) < max_new_tokens and tokens[-1] not in eos:
-            draft_tree = drafter.draft([loop.rid], tree).unbind()[0]
-            emitted, accepted = loop.step(draft_tree)
+            batch = drafter.draft([loop.rid], tree)
+            draft_tree = batch.unbind()[0]
+            q = None if batch.draft_probs is None else batch.draft_probs[:, : draft_tree.num_nodes]
+            emitted, accepted = loop.step(draft_tree, q)
             tokens += emitted
             num_accepted.append(accepted)
             stats.update(torch.tensor([accepted]), draft_tree.num_nodes - 1)

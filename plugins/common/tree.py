@@ -41,7 +41,9 @@ __all__ = [
     "fill_static",
     "optimal_sparse",
     "dynamic",
+    "sampled",
     "stack_trees",
+    "stack_batches",
     "check_parents",
     "tree_depths",
     "path_reduce",
@@ -344,12 +346,19 @@ class DraftTree:
 
 
 class TreeBatch(NamedTuple):
-    """Padded batch of trees: candidates/parents Long [B, N], num_nodes Long [B]."""
+    """Padded batch of trees: candidates/parents Long [B, N], num_nodes Long [B].
+
+    scores: optional Float [B, N] (cumulative draft log-probs).
+    draft_probs: optional Float [B, N, V], set only by drafters whose children are
+    drawn i.i.d. from q (:func:`sampled`): row j is the q node j's children were drawn
+    from; verify with ``method="rejection"`` and these ``draft_probs``.
+    """
 
     candidates: torch.Tensor
     parents: torch.Tensor
     num_nodes: torch.Tensor
     scores: torch.Tensor | None = None
+    draft_probs: torch.Tensor | None = None
 
     def unbind(self) -> list[DraftTree]:
         out = []
@@ -380,6 +389,25 @@ def stack_trees(trees: Sequence[DraftTree]) -> TreeBatch:
             scores[b, : t.num_nodes] = torch.as_tensor(t.scores, dtype=scores.dtype)
     num_nodes = torch.tensor([t.num_nodes for t in trees], dtype=torch.long)
     return TreeBatch(candidates, parents, num_nodes, scores)
+
+
+def stack_batches(batches: Sequence[TreeBatch]) -> TreeBatch:
+    """Concatenate TreeBatches along the batch, padding N (parents -1, candidates 0,
+    scores -inf, draft_probs 0); scores / draft_probs kept only when every batch has them."""
+    if not batches:
+        raise ValueError("stack_batches needs at least one TreeBatch, got an empty list")
+    n = max(b.candidates.shape[1] for b in batches)
+
+    def pad(name: str, value: float):
+        parts = [getattr(b, name) for b in batches]
+        if any(p is None for p in parts):
+            return None
+        widths = [(0, 0)] * (parts[0].dim() - 2)
+        return torch.cat([torch.nn.functional.pad(p, [w for pair in widths for w in pair] + [0, n - p.shape[1]],
+                                                  value=value) for p in parts])
+
+    return TreeBatch(pad("candidates", 0), pad("parents", -1), torch.cat([b.num_nodes for b in batches]),
+                     pad("scores", -math.inf), pad("draft_probs", 0.0))
 
 
 # --------------------------------------------------------------------------- static builders
@@ -605,6 +633,85 @@ def dynamic(
             raise ValueError(f"expand must return [B, F] + [V] = {tuple(front.tokens.shape)} + [V], got {tuple(logprobs.shape)}")
         front, tree_scores = _next_frontier(front, tree_scores, logprobs, token_map)
     return _rerank(front.tree_tokens, front.tree_parents, tree_scores, budget)
+
+
+def sampled(
+    expand: Expand,
+    root_tokens: torch.Tensor,
+    q_root: torch.Tensor,
+    depth: int = TreeConfig.depth,
+    width: int = TreeConfig.topk,
+    generators: Sequence[torch.Generator | None] | None = None,
+    token_map: torch.Tensor | None = None,
+    vocab_size: int | None = None,
+) -> TreeBatch:
+    """Trees sampled from the draft distribution q (SpecInfer): the root's ``width``
+    children are drawn i.i.d. from ``q_root`` [B, V]; every deeper node gets ONE child
+    drawn from ``expand(frontier)`` [B, F, V] (probabilities), down to ``depth``. So a
+    tree is ``width`` sampled chains sharing the root (width 1: a Leviathan chain).
+
+    Returns N = 1 + width * depth nodes and ``draft_probs`` [B, N, V]: row j is the q
+    node j's children were drawn from (zeros at leaves). Verifying with
+    ``sampling.verify(method="rejection", draft_probs=...)`` is lossless at any q.
+    The frontiers handed to ``expand`` follow :class:`Frontier` (as :func:`dynamic`).
+    With a draft vocabulary (EAGLE-3), q is over it and ``token_map`` [V'] maps its ids
+    to target ids; ``draft_probs`` are then scattered into ``vocab_size`` target columns.
+    """
+    _validate_dynamic(root_tokens, q_root, depth, width, 1)
+    to_target = functools.partial(_q_in_target_vocab, token_map=token_map, vocab_size=vocab_size)
+    tokens = _mapped(_draw(q_root.unsqueeze(1), width, generators).flatten(1), token_map)  # [B, width]
+    front, _ = _first_frontier(root_tokens, tokens, torch.zeros(tokens.shape, device=tokens.device))
+    q_rows = [to_target(q_root.unsqueeze(1))]  # per node, in node order: [B, 1, V], then [B, F, V] per depth
+    for _ in range(1, depth):
+        q = expand(front)  # [B, F, V']
+        q_rows.append(to_target(q))
+        front = _chain_frontier(front, _mapped(_draw(q, 1, generators)[..., 0], token_map))
+    q_rows.append(torch.zeros_like(q_rows[1 if depth > 1 else 0].expand(-1, width, -1)))  # leaves draw nothing
+    bsz = root_tokens.shape[0]
+    num_nodes = torch.full((bsz,), front.tree_tokens.shape[1], dtype=torch.long, device=tokens.device)
+    return TreeBatch(front.tree_tokens, front.tree_parents, num_nodes, None, torch.cat(q_rows, 1))
+
+
+def _mapped(draft_ids: torch.Tensor, token_map: torch.Tensor | None) -> torch.Tensor:
+    return draft_ids if token_map is None else token_map[draft_ids]
+
+
+def _q_in_target_vocab(q: torch.Tensor, token_map: torch.Tensor | None, vocab_size: int | None) -> torch.Tensor:
+    """q [B, F, V'] over the draft vocabulary -> [B, F, vocab_size] (zeros off the map)."""
+    if token_map is None:
+        return q
+    if vocab_size is None:
+        raise ValueError("sampled trees with a token_map need vocab_size (the target's vocabulary size)")
+    out = q.new_zeros(*q.shape[:-1], vocab_size)
+    out[..., token_map] = q
+    return out
+
+
+def _draw(q: torch.Tensor, n: int, generators) -> torch.Tensor:
+    """q [B, F, V] -> Long [B, F, n] i.i.d. draws per row; row b from generators[b]
+    (all None: one batched draw from torch's default generator)."""
+    bsz, width, vocab = q.shape
+    if generators is None or all(g is None for g in generators):
+        return torch.multinomial(q.reshape(-1, vocab).float(), n, replacement=True).view(bsz, width, n)
+    return torch.stack([torch.multinomial(q[b].float(), n, replacement=True, generator=generators[b])
+                        for b in range(bsz)])
+
+
+def _chain_frontier(front: Frontier, child_tokens: torch.Tensor) -> Frontier:
+    """One child per frontier node (child_tokens Long [B, F]): the next frontier."""
+    bsz, width = child_tokens.shape
+    n0 = front.tree_tokens.shape[1]
+    slots = torch.arange(width, device=child_tokens.device).expand(bsz, width)
+    return Frontier(
+        depth=front.depth + 1,
+        tokens=child_tokens,
+        node_ids=slots + n0,
+        parent_slot=slots,
+        tree_tokens=torch.cat([front.tree_tokens, child_tokens], 1),
+        tree_parents=torch.cat([front.tree_parents, front.node_ids], 1),
+        expanded_mask=torch.cat([front.expanded_mask, _self_mask(bsz, width, child_tokens.device)], 2),
+        positions=torch.full_like(slots, front.depth + 1),
+    )
 
 
 def _first_frontier(root_tokens, tokens, scores) -> tuple[Frontier, torch.Tensor]:
