@@ -229,7 +229,8 @@ class DraftModelDrafter:
             if self.sampled.on:
                 return self.sampled.draft(expand, root, state.root_logits.log_softmax(-1)[None], tree, [rid])
             return tree_lib.dynamic(expand, root, state.root_logits.log_softmax(-1)[None],
-                                    depth=tree.depth, topk=tree.topk, budget=tree.budget)
+                                    depth=tree.depth, topk=tree.topk, budget=tree.budget,
+                                    stop_below=tree.stop_below)
         finally:
             _crop(state.cache, state.length)
 

@@ -233,7 +233,7 @@ class Eagle3Drafter:
             return self.sampled.draft(expand, root_tokens, root_logprobs, tree, request_ids,
                                       token_map=self.token_map, vocab_size=self.head.config.vocab_size)
         return tree_lib.dynamic(expand, root_tokens, root_logprobs, depth=tree.depth, topk=tree.topk,
-                                budget=tree.budget, token_map=self.token_map)
+                                budget=tree.budget, token_map=self.token_map, stop_below=tree.stop_below)
 
     def draft_chain(self, request_ids, k: int) -> TreeBatch:
         """A greedy chain of k draft tokens (a dynamic tree with topk 1)."""

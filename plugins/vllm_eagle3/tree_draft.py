@@ -23,7 +23,7 @@ class Root(NamedTuple):
     value: torch.Tensor
 
 
-def draft_trees(head, roots: list[Root], depth: int, topk: int, budget: int) -> TreeBatch:
+def draft_trees(head, roots: list[Root], depth: int, topk: int, budget: int, stop_below: float = 0.0) -> TreeBatch:
     """EAGLE-2 trees (tree.dynamic) for a batch of roots; a node at depth d runs at
     position root.position + d and attends to its request's cache plus its ancestors."""
     expand = _Expander(head, roots)
@@ -31,7 +31,7 @@ def draft_trees(head, roots: list[Root], depth: int, topk: int, budget: int) -> 
         expand,
         torch.tensor([r.token for r in roots]),
         torch.stack([r.logprobs for r in roots]),  # [B, draft_vocab]
-        depth=depth, topk=topk, budget=budget, token_map=head.token_map,
+        depth=depth, topk=topk, budget=budget, token_map=head.token_map, stop_below=stop_below,
     )
 
 

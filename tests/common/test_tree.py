@@ -323,3 +323,23 @@ def test_dynamic_bad_input_raises():
         T.dynamic(lambda f: None, torch.tensor([0]), torch.zeros(5))
     with pytest.raises(ValueError, match="expand must return"):
         T.dynamic(lambda f: torch.zeros(1, 1, 5), torch.tensor([0]), torch.zeros(1, 5), depth=2, topk=2)
+
+
+def test_dynamic_stops_expanding_below_stop_below():
+    """A frontier whose best node has cumulative draft probability under stop_below is
+    not expanded: fewer expand calls, a shallower tree; 0 keeps every level."""
+    calls = []
+
+    def expand(front):
+        calls.append(front.depth)
+        return torch.full((*front.tokens.shape, 8), 0.125).log()  # uniform: each level x 1/8
+
+    root = torch.tensor([1])
+    confident = torch.tensor([[0.9] + [0.1 / 7] * 7]).log()
+    for stop, want_calls in ((0.0, 3), (0.1, 2), (0.2, 1), (0.95, 0)):  # levels: 0.9, 0.1125, 0.014
+        calls.clear()
+        trees = T.dynamic(expand, root, confident, depth=4, topk=2, budget=30, stop_below=stop)
+        assert len(calls) == want_calls, stop
+        assert int(T.tree_depths(trees.parents[0]).max()) == want_calls + 1
+    with pytest.raises(ValueError, match="stop_below"):
+        T.TreeConfig(stop_below=1.0)
