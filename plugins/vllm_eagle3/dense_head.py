@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 
 class DraftStep(NamedTuple):
-    logprobs: torch.Tensor  # [T, draft_vocab] draft log-probs of the NEXT token (see token_map)
+    logprobs: torch.Tensor  # [T or R, draft_vocab] draft log-probs of the NEXT token (see token_map, logit_rows)
     hidden: torch.Tensor  # [T, H] pre-norm output: the `hidden` input of a child step
     key: torch.Tensor  # [T, kv_heads, head_dim] keys of the T inputs (after RoPE)
     value: torch.Tensor  # [T, kv_heads, head_dim]
@@ -65,10 +65,13 @@ class DenseEagle3Head:
         return self.model.combine_hidden_states(aux_hidden)
 
     def step(self, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
-             segments: list[Segment]) -> DraftStep:
+             segments: list[Segment], logit_rows: torch.Tensor | None = None) -> DraftStep:
         """One head step over T rows of several requests: tokens [T], hidden [T, H],
         positions [T]; `segments` cover the rows in order, one per request, each with its
-        past KV and mask. Linear layers run once over all rows; attention per segment."""
+        past KV and mask. Linear layers run once over all rows; attention per segment.
+        logit_rows: Long [R], the rows whose draft log-probs are needed (DraftStep.logprobs
+        is then [R, draft_vocab] in that order; None = all T). A catch-up over committed
+        tokens needs only each request's last row, and the LM head is the costly part."""
         layer = self.layer
         embeds = layer.input_layernorm(self.model.embed_input_ids(tokens))
         normed, residual = layer._residual_norm(hidden_states=hidden)
@@ -85,7 +88,9 @@ class DenseEagle3Head:
         out, residual = layer.post_attention_layernorm(out, residual)
         out = layer.mlp(out)
         normed_out, prenorm = self.model.model.norm(out, residual)
-        logits = self.model.logits_processor(self.model.lm_head, normed_out).float()  # [T, draft_vocab]
+        if logit_rows is not None:
+            normed_out = normed_out[logit_rows]
+        logits = self.model.logits_processor(self.model.lm_head, normed_out).float()  # [T or R, draft_vocab]
         return DraftStep(torch.log_softmax(logits, dim=-1), prenorm, key, value)
 
     def _attend(self, q, keys, values, mask):

@@ -337,14 +337,15 @@ class SpecplugEagleProposer(EagleProposer):
             mask = torch.ones(n, past + n, dtype=torch.bool).tril(diagonal=past)
             segments.append(Segment(slice(offset, offset + n), cache.key, cache.value, mask))
             offset += n
+        last_rows = torch.tensor([seg.rows.stop - 1 for seg in segments])  # each request's root row
         step = self._dense_head.step(torch.cat([r[1] for r in requests]), torch.cat([r[3] for r in requests]),
-                                     torch.cat([r[2] for r in requests]), segments)
+                                     torch.cat([r[2] for r in requests]), segments, logit_rows=last_rows)
         roots = []
-        for (req_id, shifted, positions, _), seg in zip(requests, segments):
+        for i, ((req_id, shifted, positions, _), seg) in enumerate(zip(requests, segments)):
             cache = self._caches[req_id]
             cache.append(step.key[seg.rows], step.value[seg.rows])
             last = seg.rows.stop - 1
-            roots.append(Root(int(shifted[-1]), step.logprobs[last], step.hidden[last], int(positions[-1]),
+            roots.append(Root(int(shifted[-1]), step.logprobs[i], step.hidden[last], int(positions[-1]),
                               cache.key, cache.value))
         return roots
 
