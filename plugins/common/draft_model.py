@@ -120,7 +120,7 @@ def cut_draft_model(target_path: str | Path, layers: str | Sequence[int], out: s
 @dataclass
 class _DraftState:
     """One request: the draft's KV cache over the committed tokens (root included),
-    ``length`` entries, and the draft's log-probs of the token after the root."""
+    ``length`` entries, and the draft's logits of the token after the root."""
 
     cache: object
     length: int
