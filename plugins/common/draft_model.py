@@ -30,6 +30,7 @@ from torch import nn
 
 from . import tree as tree_lib
 from .drafters import SampledDrafts
+from .reference import additive_mask
 from .tree import TreeBatch, TreeConfig
 
 logger = logging.getLogger(__name__)
@@ -136,12 +137,6 @@ def _crop(cache, length: int) -> None:
             layer.keys, layer.values = keys[:, :, :length], layer.values[:, :, :length]
 
 
-def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Bool [F, S] -> additive mask [1, 1, F, S] (0 where allowed, dtype min elsewhere)."""
-    mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
-    return mask.masked_fill_(~allowed, torch.finfo(dtype).min)[None, None]
-
-
 class DraftModelDrafter:
     """A causal LM drafting for the target (same tokenizer). Needs no target states.
 
@@ -226,11 +221,7 @@ class DraftModelDrafter:
         expand = _Expander(self, state)
         root = torch.tensor([state.root_token], device=self.device)
         try:
-            if self.sampled.on:
-                return self.sampled.draft(expand, root, state.root_logits.log_softmax(-1)[None], tree, [rid])
-            return tree_lib.dynamic(expand, root, state.root_logits.log_softmax(-1)[None],
-                                    depth=tree.depth, topk=tree.topk, budget=tree.budget,
-                                    stop_below=tree.stop_below)
+            return self.sampled.draft(expand, root, state.root_logits.log_softmax(-1)[None], tree, [rid])
         finally:
             _crop(state.cache, state.length)
 
@@ -250,5 +241,5 @@ class _Expander:
         allowed = torch.cat([context, frontier.expanded_mask[0, :, 1:]], 1)  # [F, S + run so far]
         positions = self.state.length - 1 + frontier.positions  # [1, F]
         out = self.model(frontier.tokens, past_key_values=self.state.cache, use_cache=True,
-                         position_ids=positions, attention_mask=_additive(allowed, self.dtype))
+                         position_ids=positions, attention_mask=additive_mask(allowed, self.dtype))
         return out.logits.float().log_softmax(-1)

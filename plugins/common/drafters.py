@@ -102,11 +102,18 @@ class SampledDrafts:
     def q(self, logprobs: torch.Tensor) -> torch.Tensor:
         return (logprobs / self.temperature).softmax(-1)
 
-    def draft(self, expand, root_tokens, root_logprobs, tree: TreeConfig, request_ids, **vocab) -> TreeBatch:
-        """``tree.topk`` sampled chains of ``tree.depth`` sharing the root (budget unused)."""
+    def draft(self, expand, root_tokens, root_logprobs, tree: TreeConfig, request_ids,
+              token_map: torch.Tensor | None = None, vocab_size: int | None = None) -> TreeBatch:
+        """The trees of a model-backed drafter, one place for all of them: when on,
+        ``tree.topk`` sampled chains of ``tree.depth`` sharing the root (budget unused);
+        when off, EAGLE-2 top-k trees (tree.dynamic, with ``tree.stop_below``)."""
+        if not self.on:
+            return tree_lib.dynamic(expand, root_tokens, root_logprobs, depth=tree.depth, topk=tree.topk,
+                                    budget=tree.budget, token_map=token_map, stop_below=tree.stop_below)
         return tree_lib.sampled(lambda f: self.q(expand(f)), root_tokens, self.q(root_logprobs),
                                 depth=tree.depth, width=tree.topk,
-                                generators=[self.generators.get(rid) for rid in request_ids], **vocab)
+                                generators=[self.generators.get(rid) for rid in request_ids],
+                                token_map=token_map, vocab_size=vocab_size)
 
 
 # --------------------------------------------------------------------------- EAGLE (1 and 3)
@@ -229,11 +236,8 @@ class Eagle3Drafter:
         root_tokens = torch.tensor([s.root_token for s in states], device=self.token_map.device)
         root_logprobs = torch.stack([s.logprobs for s in states])  # [B, V']
         expand = _TreeExpander(self, request_ids)
-        if self.sampled.on:
-            return self.sampled.draft(expand, root_tokens, root_logprobs, tree, request_ids,
-                                      token_map=self.token_map, vocab_size=self.head.config.vocab_size)
-        return tree_lib.dynamic(expand, root_tokens, root_logprobs, depth=tree.depth, topk=tree.topk,
-                                budget=tree.budget, token_map=self.token_map, stop_below=tree.stop_below)
+        return self.sampled.draft(expand, root_tokens, root_logprobs, tree, request_ids,
+                                  token_map=self.token_map, vocab_size=self.head.config.vocab_size)
 
     def draft_chain(self, request_ids, k: int) -> TreeBatch:
         """A greedy chain of k draft tokens (a dynamic tree with topk 1)."""

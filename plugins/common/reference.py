@@ -74,12 +74,17 @@ def _target_probs(logits: torch.Tensor, sampling: SamplingConfig, method: str) -
     return process_logits(logits.float(), sampling.temperature, sampling.top_k, sampling.top_p)
 
 
+def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Bool [T, S] -> the additive 4-D mask Hugging Face models take, [1, 1, T, S]:
+    0 where allowed, the dtype's minimum elsewhere."""
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
+    return mask.masked_fill_(~allowed, torch.finfo(dtype).min)[None, None]
+
+
 def _tree_mask(tree: DraftTree, past_len: int, dtype: torch.dtype, device) -> torch.Tensor:
     """Additive 4-D mask [1, 1, N, past + N]: the whole cache plus the node's ancestors."""
     allowed = torch.cat([torch.ones(tree.num_nodes, past_len, dtype=torch.bool), tree.attention_mask()], 1)
-    mask = torch.zeros(allowed.shape, dtype=dtype)
-    mask.masked_fill_(~allowed, torch.finfo(dtype).min)
-    return mask[None, None].to(device)
+    return additive_mask(allowed, dtype).to(device)
 
 
 def _keep_cache(cache, past_len: int, path: torch.Tensor) -> None:

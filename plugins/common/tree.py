@@ -409,9 +409,8 @@ def stack_batches(batches: Sequence[TreeBatch]) -> TreeBatch:
         parts = [getattr(b, name) for b in batches]
         if any(p is None for p in parts):
             return None
-        widths = [(0, 0)] * (parts[0].dim() - 2)
-        return torch.cat([torch.nn.functional.pad(p, [w for pair in widths for w in pair] + [0, n - p.shape[1]],
-                                                  value=value) for p in parts])
+        trailing = [0, 0] * (parts[0].dim() - 2)  # F.pad lists the last dim first: pad only dim 1
+        return torch.cat([torch.nn.functional.pad(p, trailing + [0, n - p.shape[1]], value=value) for p in parts])
 
     return TreeBatch(pad("candidates", 0), pad("parents", -1), torch.cat([b.num_nodes for b in batches]),
                      pad("scores", -math.inf), pad("draft_probs", 0.0))
@@ -637,9 +636,8 @@ def dynamic(
     k = min(topk, root_logprobs.shape[-1])
     tokens, scores = _topk_children(root_logprobs.unsqueeze(1), k, token_map)  # [B, k]
     front, tree_scores = _first_frontier(root_tokens, tokens, scores)
-    stop = math.log(stop_below) if stop_below > 0 else -math.inf
     for _ in range(1, depth):
-        if float(tree_scores.gather(1, front.node_ids).max()) < stop:
+        if stop_below > 0 and float(tree_scores.gather(1, front.node_ids).max()) < math.log(stop_below):
             break  # no frontier node is likely enough to be worth drafting children for
         logprobs = expand(front)
         if logprobs.shape[:2] != front.tokens.shape:
@@ -679,8 +677,8 @@ def sampled(
         q = expand(front)  # [B, F, V']
         q_rows.append(to_target(q))
         front = _chain_frontier(front, _mapped(_draw(q, 1, generators)[..., 0], token_map))
-    q_rows.append(torch.zeros_like(q_rows[1 if depth > 1 else 0].expand(-1, width, -1)))  # leaves draw nothing
     bsz = root_tokens.shape[0]
+    q_rows.append(q_rows[0].new_zeros(bsz, width, q_rows[0].shape[-1]))  # leaves draw nothing
     num_nodes = torch.full((bsz,), front.tree_tokens.shape[1], dtype=torch.long, device=tokens.device)
     return TreeBatch(front.tree_tokens, front.tree_parents, num_nodes, None, torch.cat(q_rows, 1))
 
