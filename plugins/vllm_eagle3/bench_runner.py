@@ -186,6 +186,7 @@ class VllmRunner:
         params = [SamplingParams(max_tokens=self.max_new_tokens, ignore_eos=True,
                                  temperature=self.temperature, seed=self.seed + i)
                   for i in range(len(prompts))]
+        self._forget_earlier_runs(llm)
         before = spec_decode_stats(llm.get_metrics())
         outputs, start = [], time.perf_counter()
         for i in range(0, len(prompts), batch_size):
@@ -198,6 +199,19 @@ class VllmRunner:
                          num_drafts=run.num_drafts, num_draft_tokens=run.num_draft_tokens,
                          num_accepted=run.num_accepted_tokens,
                          accepted_per_pos=list(run.accepted_per_position), outputs=outputs)
+
+    @staticmethod
+    def _forget_earlier_runs(llm) -> None:
+        """Every run starts from cold caches: an earlier run of the same engine (another
+        batch size) generated the same prompts, whose KV blocks vLLM's prefix cache and
+        whose outputs the retrieval drafter's cache of recent requests would reuse.
+        (vLLM's EAGLE path recomputes a prompt's last cached block, so a warm prefix
+        cache favoured `none` over every EAGLE method.)"""
+        llm.reset_prefix_cache()
+        runner = llm.llm_engine.model_executor.driver_worker.worker.model_runner
+        retrieval = getattr(getattr(runner, "drafter", None), "retrieval", None)
+        if retrieval is not None:
+            retrieval.clear_cache()
 
     def close(self) -> None:
         if self._llm is not None:

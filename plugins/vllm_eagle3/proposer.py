@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from vllm.v1.spec_decode.eagle import EagleProposer
@@ -42,25 +42,70 @@ from specplug.vllm_eagle3.tree_draft import Root, draft_trees
 
 logger = logging.getLogger(__name__)
 
-MAX_PENDING_ROWS = 64  # adaptive mode: a request's deferred head rows are caught up at this many
+MAX_PENDING_ROWS = 512  # adaptive mode: a request's backlog of rows the head has not seen
 
 
 @dataclass
 class _DraftCache:
-    """Dense head KV for one request: keys/values [length, kv_heads, head_dim]."""
+    """Dense head KV for one request: keys/values [length, kv_heads, head_dim] at the
+    committed positions Long [length] (ascending; a gap where a backlog was dropped)."""
 
     key: torch.Tensor
     value: torch.Tensor
+    positions: torch.Tensor
 
     @property
     def length(self) -> int:
         return self.key.shape[0]
 
-    def truncate(self, length: int) -> None:
-        self.key, self.value = self.key[:length], self.value[:length]
+    def truncate(self, position: int) -> None:
+        """Keep the entries before `position` (vLLM rolled back the rest)."""
+        n = int(torch.searchsorted(self.positions, position))
+        self.key, self.value, self.positions = self.key[:n], self.value[:n], self.positions[:n]
 
-    def append(self, key: torch.Tensor, value: torch.Tensor) -> None:
+    def append(self, key: torch.Tensor, value: torch.Tensor, positions: torch.Tensor) -> None:
         self.key, self.value = torch.cat([self.key, key]), torch.cat([self.value, value])
+        self.positions = torch.cat([self.positions, positions])
+
+
+@dataclass
+class _Backlog:
+    """Committed rows the head has not run yet (adaptive steps without drafts): chunks
+    of (shifted [n], positions [n], hidden [n, H]), oldest first, at most `cap` rows;
+    when more arrive the oldest are dropped, so an idle head costs no head forwards and
+    bounded memory, and its context later skips the dropped stretch (drafts stay
+    verified, so this changes acceptance only)."""
+
+    chunks: list = field(default_factory=list)
+    rows: int = 0
+
+    def cut(self, position: int) -> None:
+        """Drop rows at or past `position` (vLLM rolled them back)."""
+        while self.chunks and int(self.chunks[-1][1][0]) >= position:
+            self.rows -= self.chunks.pop()[1].shape[0]
+        if self.chunks and int(self.chunks[-1][1][-1]) >= position:
+            shifted, positions, hidden = self.chunks[-1]
+            keep = positions < position
+            self.rows -= int((~keep).sum())
+            self.chunks[-1] = (shifted[keep], positions[keep], hidden[keep])
+
+    def add(self, chunk: tuple, cap: int) -> None:
+        self.chunks.append(chunk)
+        self.rows += chunk[1].shape[0]
+        while self.rows > cap:
+            over, (shifted, positions, hidden) = self.rows - cap, self.chunks[0]
+            if over >= positions.shape[0]:
+                self.chunks.pop(0)
+                self.rows -= positions.shape[0]
+            else:
+                self.chunks[0] = (shifted[over:], positions[over:], hidden[over:])
+                self.rows -= over
+
+    def before(self, request: tuple) -> tuple:
+        """`request` (req_id, shifted, positions, hidden) with the backlog prepended."""
+        req_id, *parts = request
+        self.cut(int(parts[1][0]))
+        return (req_id, *(torch.cat([c[i] for c in self.chunks] + [parts[i]]) for i in range(3)))
 
 
 class SpecplugEagleProposer(EagleProposer):
@@ -85,9 +130,8 @@ class SpecplugEagleProposer(EagleProposer):
         self._dense_head: DenseEagle3Head | None = None
         self._caches: dict[str, _DraftCache] = {}
         self.adaptive: AdaptiveController | None = None
-        # adaptive mode: rows committed in steps without drafts, caught up lazily;
-        # req_id -> (shifted [n], positions [n], hidden [n, H])
-        self._pending: dict[str, tuple] = {}
+        # adaptive mode: rows committed in steps without drafts, caught up lazily
+        self._pending: dict[str, _Backlog] = {}
         if self.specplug.adaptive:
             self.adaptive = AdaptiveController(self.num_speculative_tokens)
             logger.info("specplug adaptive speculation on: each step drafts 0..%d tokens, chosen by "
@@ -285,43 +329,37 @@ class SpecplugEagleProposer(EagleProposer):
         req_ids = self.runner.input_batch.req_ids[:batch]
         starts = attn_metadata.query_start_loc_cpu[: batch + 1].tolist()
         rejected = [0] * batch if num_rejected is None else num_rejected[:batch].tolist()
-        hidden = self._dense_head.combine(aux_hidden[: starts[-1]])  # [tokens, H]
-        rows, requests = [], []
+        total = starts[-1]
+        hidden = self._dense_head.combine(aux_hidden[:total])  # [T, H]
+        positions = positions[:total].clone()  # vLLM reuses its buffer; backlogs keep views
+        shifted = token_ids[:total].clone()  # [T]: row i's committed next token ...
+        shifted[:-1] = token_ids[1:total]
+        rows, requests, last, next_tokens = [], [], [], next_token_ids[:batch].tolist()
         for b, req_id in enumerate(req_ids):
             start, end = starts[b], starts[b + 1] - rejected[b]
             if end <= start:
                 continue
-            next_token = int(next_token_ids[b])
             if discarded[b]:  # partial prefill: vLLM's next token is a placeholder
-                next_token = self.runner.requests[req_id].get_token_id(int(positions[end - 1]) + 1)
-            shifted = torch.cat([token_ids[start + 1:end], token_ids.new_tensor([next_token])])
+                next_tokens[b] = self.runner.requests[req_id].get_token_id(int(positions[end - 1]) + 1)
             rows.append(b)
-            requests.append((req_id, shifted, positions[start:end].clone(), hidden[start:end]))
+            last.append(end - 1)
+            requests.append((req_id, shifted[start:end], positions[start:end], hidden[start:end]))
+        shifted[last] = torch.tensor([next_tokens[b] for b in rows], dtype=shifted.dtype)  # ... vLLM's next token last
         return rows, requests
 
     def _with_pending(self, request):
         """request with the rows deferred for it prepended (rows at or past its first
         position, i.e. rolled back by vLLM, dropped)."""
-        req_id, shifted, positions, hidden = request
-        pending = self._pending.pop(req_id, None)
-        if pending is None:
-            return request
-        old = pending[1] < positions[0]  # [pending rows]
-        return (req_id, torch.cat([pending[0][old], shifted]), torch.cat([pending[1][old], positions]),
-                torch.cat([pending[2][old], hidden]))
+        backlog = self._pending.pop(request[0], None)
+        return request if backlog is None else backlog.before(request)
 
     def _defer(self, requests):
-        """Adaptive steps without drafts keep the committed rows for the next catch-up;
-        a request whose backlog reaches MAX_PENDING_ROWS is caught up now."""
-        due = []
-        for request in requests:
-            merged = self._with_pending(request)
-            if merged[1].shape[0] >= MAX_PENDING_ROWS:
-                due.append(merged)
-            else:
-                self._pending[merged[0]] = merged[1:]
-        if due:
-            self._catch_up(due)
+        """Adaptive steps without drafts keep the committed rows for the next catch-up
+        (the newest MAX_PENDING_ROWS per request: _Backlog)."""
+        for req_id, shifted, positions, hidden in requests:
+            backlog = self._pending.setdefault(req_id, _Backlog())
+            backlog.cut(int(positions[0]))
+            backlog.add((shifted, positions, hidden), MAX_PENDING_ROWS)
 
     def _catch_up(self, requests):
         """requests: (req_id, shifted [n], positions [n], hidden [n, H]) each, where
@@ -332,7 +370,7 @@ class SpecplugEagleProposer(EagleProposer):
         segments, offset = [], 0
         for req_id, tokens, positions, _ in requests:
             cache = self._cache(req_id)
-            cache.truncate(min(int(positions[0]), cache.length))
+            cache.truncate(int(positions[0]))
             n, past = tokens.shape[0], cache.length
             mask = torch.ones(n, past + n, dtype=torch.bool).tril(diagonal=past)
             segments.append(Segment(slice(offset, offset + n), cache.key, cache.value, mask))
@@ -343,7 +381,7 @@ class SpecplugEagleProposer(EagleProposer):
         roots = []
         for i, ((req_id, shifted, positions, _), seg) in enumerate(zip(requests, segments)):
             cache = self._caches[req_id]
-            cache.append(step.key[seg.rows], step.value[seg.rows])
+            cache.append(step.key[seg.rows], step.value[seg.rows], positions)
             last = seg.rows.stop - 1
             roots.append(Root(int(shifted[-1]), step.logprobs[i], step.hidden[last], int(positions[-1]),
                               cache.key, cache.value))
@@ -373,7 +411,7 @@ class SpecplugEagleProposer(EagleProposer):
     def _cache(self, req_id) -> _DraftCache:
         if req_id not in self._caches:
             empty = self._dense_head.empty_kv()
-            self._caches[req_id] = _DraftCache(empty, empty)
+            self._caches[req_id] = _DraftCache(empty, empty, torch.zeros(0, dtype=torch.long))
         return self._caches[req_id]
 
     def _forget_finished(self):

@@ -22,7 +22,11 @@ the emitted tokens are vLLM's raw logprobs, gathered at the rows the tokens came
 A step with something specplug does not model (a custom logits processor, a thinking
 budget, logprobs of chosen token ids, a processed-logprobs mode) runs without drafts:
 every request takes its root row only, sampled by vLLM's own non-speculative sampler
-(its tested path), and emits one token, as without speculation.
+(its tested path), and emits one token, as without speculation. A greedy step in which
+no request has drafts (adaptive speculation chose none) and none asks for logit bias
+(which vLLM's sampler skips when speculation is configured) takes the same path: it
+is exactly a step without speculation, and vLLM's sampler costs a third of specplug's
+rules and verify at batch 64.
 
 Stage "tree" uses the same layout with the tree's parents in place of the chain's:
 request i's rows are the distributions after each of its tree nodes (tree_verify.py).
@@ -81,8 +85,10 @@ def _padded_output(result, candidates: torch.Tensor) -> torch.Tensor:
     return torch.cat([tokens, pad], dim=1).to(torch.int32)
 
 
-def _spread(t: torch.Tensor, width: int) -> torch.Tensor:
+def _spread(t: torch.Tensor | None, width: int) -> torch.Tensor | None:
     """Rows [B, ...] -> [B * width, ...] with row b at b * width (zeros elsewhere)."""
+    if t is None:  # an optional field of LogprobsTensors
+        return None
     out = t.new_zeros((t.shape[0] * width, *t.shape[1:]))
     out[::width] = t
     return out
@@ -104,8 +110,9 @@ class SpecplugChainSampler:
     With `tree` (stage "tree": a tree_verify.TreeVerifier) the drafts of a step may be
     trees: their topology comes from `tree.parents_for`, the whole tree is verified, and
     `tree.accept` compacts the accepted path. Every request is verified here; a step
-    with a rule specplug does not model (request_rules.undraftable_reason) emits one
-    token per request from vLLM's non-speculative sampler instead."""
+    with a rule specplug does not model (request_rules.undraftable_reason), or a plain
+    greedy step without drafts (_plain_greedy), emits one token per request from vLLM's
+    non-speculative sampler instead."""
 
     def __init__(self, vllm_sampler, on_verify=None, tree=None, request_params=None, request_positions=None):
         self.vllm_sampler = vllm_sampler
@@ -123,7 +130,7 @@ class SpecplugChainSampler:
         from vllm.v1.outputs import SamplerOutput
 
         reason = undraftable_reason(sampling_metadata, self.vllm_sampler.sampler.logprobs_mode)
-        if reason is not None:
+        if reason is not None or self._plain_greedy(metadata, sampling_metadata):
             return self._without_drafts(reason, metadata, logits, sampling_metadata)
         tree_parents = None if self.tree is None else self.tree.parents_for(metadata.num_draft_tokens)
         candidates, parents, num_nodes = chain_layout(metadata.num_draft_tokens, metadata.draft_token_ids)
@@ -142,6 +149,14 @@ class SpecplugChainSampler:
         if sampling_metadata.max_num_logprobs is not None:
             logprobs = self._logprobs(raw, tokens, result, num_nodes, sampling_metadata.max_num_logprobs)
         return SamplerOutput(sampled_token_ids=tokens.to(logits.device), logprobs_tensors=logprobs)
+
+    def _plain_greedy(self, metadata, sampling_metadata) -> bool:
+        """A greedy step without a single draft and without logit bias (which vLLM's
+        sampler skips when speculation is configured; min-p never moves an argmax):
+        vLLM's own sampler emits exactly what it would without speculation."""
+        if not sampling_metadata.all_greedy or any(metadata.num_draft_tokens):
+            return False
+        return not any(getattr(p, "logit_bias", None) for p in self.request_params(len(metadata.num_draft_tokens)))
 
     def _logprobs(self, raw, tokens, result, num_nodes, max_num_logprobs):
         """vLLM's raw logprobs of every emitted token, rows in the order of `tokens`
@@ -164,7 +179,8 @@ class SpecplugChainSampler:
         non-speculative sampler; drafts are not verified (none accepted)."""
         from vllm.v1.outputs import LogprobsTensors, SamplerOutput
 
-        self._log_once(reason)
+        if reason is not None:
+            self._log_once(reason)
         num_nodes = torch.tensor(metadata.num_draft_tokens) + 1
         batch, width = len(num_nodes), int(num_nodes.max())
         starts = (torch.cumsum(num_nodes, 0) - num_nodes).to(logits.device)

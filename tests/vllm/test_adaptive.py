@@ -175,18 +175,22 @@ def _roots_by_position(llm, prompt, monkeypatch):
     return out, seen
 
 
-def test_deferred_catch_up_keeps_the_head_in_sync(engine, target, chain_head, monkeypatch):
-    """Steps without drafts defer the head's catch-up (flushed at MAX_PENDING_ROWS, here
-    4); a later drafting step must see exactly the head state of a run that caught up
-    every step: same root token and first-draft log-probs at every shared position."""
-    from specplug.vllm_eagle3 import proposer
+def _forced_pattern(engine, target, monkeypatch, pattern):
+    """An adaptive chain engine whose controller chooses depths from `pattern` (cycled)."""
+    llm = engine(target, tiny_head_dir(target, specplug={**SPECPLUG_CHAIN, "adaptive": True}))
+    depths = iter(pattern * 100)
+    monkeypatch.setattr(controller(llm), "choose_depth", lambda batch: next(depths))
+    return llm
 
-    adaptive_chain = tiny_head_dir(target, specplug={**SPECPLUG_CHAIN, "adaptive": True})
-    llm = engine(target, adaptive_chain)
-    adaptive = controller(llm)
-    pattern = iter([0, 0, 3, 0, 3, 0, 0, 0, 0, 0, 0, 3] * 8)
-    monkeypatch.setattr(adaptive, "choose_depth", lambda batch: next(pattern))
-    monkeypatch.setattr(proposer, "MAX_PENDING_ROWS", 4)
+
+PATTERN = [0, 0, 3, 0, 3, 0, 0, 0, 0, 0, 0, 3]
+
+
+def test_deferred_catch_up_keeps_the_head_in_sync(engine, target, chain_head, monkeypatch):
+    """Steps without drafts defer the head's catch-up (the prompt too); a later drafting
+    step must see exactly the head state of a run that caught up every step: same root
+    token and first-draft log-probs at every shared position."""
+    llm = _forced_pattern(engine, target, monkeypatch, PATTERN)
     ours, ours_roots = _roots_by_position(llm, PROMPTS[2], monkeypatch)
     reference, reference_roots = _roots_by_position(engine(target, chain_head), PROMPTS[2], monkeypatch)
     assert ours == reference
@@ -195,3 +199,27 @@ def test_deferred_catch_up_keeps_the_head_in_sync(engine, target, chain_head, mo
     for position in shared:
         assert ours_roots[position][0] == reference_roots[position][0]
         torch.testing.assert_close(ours_roots[position][1], reference_roots[position][1], rtol=1e-4, atol=1e-4)
+
+
+def test_backlog_over_the_cap_drops_its_oldest_rows(engine, target, chain_head, monkeypatch):
+    """With MAX_PENDING_ROWS = 4 an idle head keeps only each request's newest 4 rows:
+    its cache skips the rest (no head forward over them), and output stays exactly the
+    target's greedy output."""
+    from specplug.vllm_eagle3 import proposer
+
+    monkeypatch.setattr(proposer, "MAX_PENDING_ROWS", 4)
+    llm = _forced_pattern(engine, target, monkeypatch, PATTERN)
+    reference = token_ids(engine(target, chain_head), PROMPTS[2:3])
+    rows, positions = [], []
+    catch_up = proposer.SpecplugEagleProposer._catch_up
+
+    def recording(self, requests):
+        rows.extend(r[2].shape[0] for r in requests)
+        roots = catch_up(self, requests)
+        positions.extend(self._caches[r[0]].positions.clone() for r in requests)
+        return roots
+
+    monkeypatch.setattr(proposer.SpecplugEagleProposer, "_catch_up", recording)
+    assert token_ids(llm, PROMPTS[2:3]) == reference
+    assert rows and max(rows) <= 4 + NUM_SPEC_TOKENS + 1  # a backlog of 4 plus one step's rows
+    assert (positions[-1].diff() > 1).any()  # the head's context skips dropped rows

@@ -112,6 +112,22 @@ def test_logprobs_of_emitted_tokens_equal_no_speculation(engine, target, spec_en
                 assert math.isclose(step_s[token].logprob, lp.logprob, abs_tol=1e-4)
 
 
+def test_step_without_drafts_reports_logprobs(engine, target, spec_engine):
+    """Logprobs of chosen token ids are something specplug does not verify: such steps
+    run without drafts through vLLM's own sampler, and its logprobs come back per token
+    (this crashed on an optional field of LogprobsTensors before)."""
+    chosen = [50, 60]
+    sampling = [_greedy(logprob_token_ids=chosen, max_tokens=4), _greedy(max_tokens=4)]
+    spec = spec_engine.generate(PROMPTS[:2], sampling, use_tqdm=False)
+    plain = engine(target).generate(PROMPTS[:2], sampling, use_tqdm=False)
+    assert token_ids(spec) == token_ids(plain)
+    assert len(spec[0].outputs[0].logprobs) == 4
+    for step_s, step_p in zip(spec[0].outputs[0].logprobs, plain[0].outputs[0].logprobs):
+        assert set(chosen) <= set(step_s) and set(step_s) == set(step_p)
+        for token in chosen:
+            assert math.isclose(step_s[token].logprob, step_p[token].logprob, abs_tol=1e-4)
+
+
 def test_custom_logits_processor_runs_without_drafts(monkeypatch):
     """A step specplug cannot verify takes one token per request from vLLM's own
     non-speculative sampler: the reason is named, nothing is verified."""

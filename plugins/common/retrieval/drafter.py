@@ -85,6 +85,10 @@ class RetrievalDrafter:
         elif seq.tokens and self.config.cache_requests > 0:
             self.cache.add(seq)
 
+    def clear_cache(self) -> None:
+        """Forget the finished requests' sequences (live requests keep theirs)."""
+        self.cache = _RecentCache(self.config.cache_requests)
+
     def length(self, request_id: Hashable) -> int:
         return len(self._live(request_id).tokens)
 
