@@ -36,6 +36,7 @@ from specplug.common.cost import (
     AcceptanceTracker, AdaptiveConfig, Curve, SpecOption, StepCosts, choose, modelled_speedup,
     tree_depth_alphas,
 )
+from specplug.common.tree import TreeConfig
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +68,24 @@ def adaptive_flag(section: Mapping, environ: Mapping[str, str]) -> bool:
         raise ValueError(f"{ENV_ADAPTIVE} must be 1/true/yes or 0/false/no, got {override!r}: "
                          f"set it to 1 to turn adaptive speculation on, 0 to turn it off")
     return _BOOLS[override]
+
+
+def chain_options(max_depth: int) -> tuple[SpecOption, ...]:
+    """Chains of 1..max_depth drafts (an engine that verifies chains: nodes == depth)."""
+    if max_depth < 1:
+        raise ValueError(f"adaptive speculation needs num_speculative_tokens >= 1, got {max_depth}")
+    return tuple(SpecOption(d, d) for d in range(1, max_depth + 1))
+
+
+def tree_family(tree: TreeConfig) -> list[TreeConfig]:
+    """The static trees adaptive speculation chooses among, smallest first, up to
+    ``tree``: chains of 1..depth when topk == 1; else budgets 1, 2, 4, 8, ... below the
+    tree's node count (TreeConfig.static_nodes) and that count itself."""
+    if tree.topk == 1:
+        return [TreeConfig(depth=d, topk=1, budget=d) for d in range(1, tree.depth + 1)]
+    full = tree.static_nodes
+    budgets = sorted({b for b in (2 ** i for i in range(full.bit_length())) if b < full} | {full})
+    return [TreeConfig(depth=tree.depth, topk=tree.topk, budget=b) for b in budgets]
 
 
 def tree_option(template, accuracies) -> SpecOption:

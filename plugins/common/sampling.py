@@ -139,7 +139,11 @@ def _per_row(value, like: torch.Tensor, dtype) -> torch.Tensor:
     return t.view(-1, *([1] * (like.dim() - 1)))
 
 
-def process_logits(logits: torch.Tensor, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0) -> torch.Tensor:
+ORDERS = ("vllm", "sglang")
+
+
+def process_logits(logits: torch.Tensor, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0,
+                   order: str = "vllm") -> torch.Tensor:
     """Target logits [R, ..., V] -> probabilities p (float32), the ONE place this happens.
 
     temperature/top_k/top_p/min_p: scalars or per-request tensors [R]. Rows with
@@ -149,7 +153,14 @@ def process_logits(logits: torch.Tensor, temperature=1.0, top_k=0, top_p=1.0, mi
     below min_p x the row's largest, then top-k keeps the k largest logits (ties by
     sort order), then top-p keeps the smallest prefix of the sorted distribution whose
     mass reaches top_p. Penalties, bans and bias come before, in request_rules.
+    ``order="sglang"``: SGLang's sampler instead (sampler.py, the torch path): top-p
+    keeps the tokens whose mass before them in the FULL distribution is <= top_p, top-k
+    the k largest, then min-p drops what is below min_p x the largest. The two engines'
+    filters differ when top-k or min-p is combined with top-p; each engine's requests
+    must get its own, or verification would match the other engine's distribution.
     """
+    if order not in ORDERS:
+        raise ValueError(f"order must be one of {ORDERS} (whose sampler's filter order to follow), got {order!r}")
     temp = _per_row(temperature, logits, torch.float32)
     k = _per_row(top_k, logits, torch.long)
     top_p = _per_row(top_p, logits, torch.float32)
@@ -160,12 +171,15 @@ def process_logits(logits: torch.Tensor, temperature=1.0, top_k=0, top_p=1.0, mi
                          "check the request's sampling settings")
     vocab = logits.shape[-1]
     x = logits.float() / torch.where(temp > 0, temp, torch.ones_like(temp))
-    if bool((min_p > 0).any()):
+    use_min_p, sglang = bool((min_p > 0).any()), order == "sglang"
+    if use_min_p and not sglang:
         x = _filter_min_p(x, min_p)
     use_k = (k > 0) & (k < vocab)
     use_p = top_p < 1.0
     if bool(use_k.any()) or bool(use_p.any()):
-        x = _filter_top_k_top_p(x, torch.where(use_k, k, vocab), torch.where(use_p, top_p, 2.0))
+        x = _filter_top_k_top_p(x, torch.where(use_k, k, vocab), torch.where(use_p, top_p, 2.0), full_mass=sglang)
+    if use_min_p and sglang:
+        x = _filter_min_p(x, min_p)
     probs = torch.softmax(x, dim=-1)
     greedy = temp == 0
     if bool(greedy.any()):
@@ -180,14 +194,17 @@ def _filter_min_p(x: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return x.masked_fill(probs < min_p * probs.amax(-1, keepdim=True), float("-inf"))
 
 
-def _filter_top_k_top_p(x: torch.Tensor, k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Set logits outside top-k / top-p to -inf (k = V and top_p = 2 mean off)."""
+def _filter_top_k_top_p(x: torch.Tensor, k: torch.Tensor, top_p: torch.Tensor, full_mass: bool = False) -> torch.Tensor:
+    """Set logits outside top-k / top-p to -inf (k = V and top_p = 2 mean off). Top-p
+    counts the mass before a token after top-k (vLLM: dropped at >= top_p), or with
+    ``full_mass`` in the whole distribution (SGLang: dropped at > top_p)."""
     sorted_x, order = x.sort(dim=-1, descending=True)  # [..., V]
     pos = torch.arange(x.shape[-1], device=x.device)
+    p_full = torch.softmax(sorted_x, dim=-1) if full_mass else None
     sorted_x = sorted_x.masked_fill(pos >= k, float("-inf"))
-    p_sorted = torch.softmax(sorted_x, dim=-1)
+    p_sorted = p_full if full_mass else torch.softmax(sorted_x, dim=-1)
     mass_before = p_sorted.cumsum(-1) - p_sorted
-    drop = (mass_before >= top_p) & (pos > 0)
+    drop = ((mass_before > top_p) if full_mass else (mass_before >= top_p)) & (pos > 0)
     sorted_x = sorted_x.masked_fill(drop, float("-inf"))
     return torch.empty_like(x).scatter_(-1, order, sorted_x)
 

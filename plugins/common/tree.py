@@ -98,6 +98,15 @@ class TreeConfig:
         """Nodes in a full tree, root included (SGLang's num_draft_tokens)."""
         return self.budget + 1
 
+    @property
+    def static_nodes(self) -> int:
+        """Draft nodes (root excluded) of the static tree built from per-depth top-k
+        candidates (Medusa): a chain of ``depth`` when topk == 1, else ``budget`` capped
+        at the full tree, which is all optimal_sparse can fill."""
+        if self.topk == 1:
+            return self.depth
+        return min(self.budget, full_tree_nodes(self.topk, self.depth))
+
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
@@ -416,6 +425,32 @@ def stack_batches(batches: Sequence[TreeBatch]) -> TreeBatch:
                      pad("scores", -math.inf), pad("draft_probs", 0.0))
 
 
+def chain_batch(num_drafts: Sequence[int], draft_tokens: torch.Tensor) -> TreeBatch:
+    """Flat chains as a padded TreeBatch: request b's num_drafts[b] draft tokens follow
+    those of the requests before it in draft_tokens Long [sum(num_drafts)] (an engine's
+    chain layout). Node 0 is the root, whose token verify never reads (0 here)."""
+    num_nodes = torch.as_tensor(list(num_drafts), dtype=torch.long) + 1
+    node = torch.arange(int(num_nodes.max()))
+    real = node[None] < num_nodes[:, None]  # [B, N]
+    parents = torch.where(real, node[None] - 1, -1)  # chain: node i's parent is i - 1
+    candidates = torch.zeros(real.shape, dtype=torch.long)
+    candidates[:, 1:][real[:, 1:]] = draft_tokens.to(torch.long).cpu()
+    return TreeBatch(candidates, parents, num_nodes)
+
+
+def is_chain(parents: torch.Tensor) -> bool:
+    """parents Long [n]: node i's parent is i - 1 for every i."""
+    return bool(torch.equal(parents, torch.arange(-1, parents.shape[0] - 1)))
+
+
+def pad_parents(parents: Sequence[torch.Tensor], width: int) -> torch.Tensor:
+    """Per-tree parents (Long [n_b] each, n_b <= width) as Long [B, width], padded with -1."""
+    out = torch.full((len(parents), width), -1, dtype=torch.long)
+    for b, p in enumerate(parents):
+        out[b, : p.shape[0]] = p
+    return out
+
+
 # --------------------------------------------------------------------------- static builders
 
 
@@ -499,6 +534,11 @@ def fill_static(template: DraftTree, root_tokens: torch.Tensor, head_tokens: tor
     return candidates
 
 
+def full_tree_nodes(topk: int, depth: int) -> int:
+    """Draft nodes of the complete topk-ary tree of ``depth`` levels, root excluded."""
+    return sum(topk ** d for d in range(1, depth + 1))
+
+
 def optimal_sparse(accuracies, budget: int) -> tuple[DraftTree, float]:
     """Medusa paper section 3.1: the ``budget``-node tree with the largest expected acceptance.
 
@@ -523,7 +563,7 @@ def optimal_sparse(accuracies, budget: int) -> tuple[DraftTree, float]:
     if not isinstance(budget, int) or budget < 1:
         raise ValueError(f"budget must be an int >= 1 (draft nodes, root excluded), got {budget!r}")
     heads, topk = acc.shape
-    budget = min(budget, sum(topk ** d for d in range(1, heads + 1)))
+    budget = min(budget, full_tree_nodes(topk, heads))
     chosen: list[tuple[int, ...]] = []
     values: list[float] = []
     # max-heap on value; ties broken by (depth, path) so parents win over children

@@ -66,14 +66,11 @@ class MedusaSettings:
 
     @property
     def num_nodes(self) -> int:
-        """Tree nodes including the root: SGLang's speculative_num_draft_tokens. Matches
-        MedusaDrafter's template (optimal_sparse caps the budget at the full tree)."""
+        """Tree nodes including the root: SGLang's speculative_num_draft_tokens, the
+        size of MedusaDrafter's template (TreeConfig.static_nodes)."""
         if self.choices is not None:
             return len(self.choices) + 1
-        if self.tree.topk == 1:
-            return self.tree.depth + 1
-        full = sum(self.tree.topk ** d for d in range(1, self.tree.depth + 1))
-        return min(self.tree.budget, full) + 1
+        return self.tree.static_nodes + 1
 
     @property
     def method(self) -> str:

@@ -36,7 +36,7 @@ import time
 import torch
 
 from specplug.common import sampling
-from specplug.common.adaptive import AdaptiveController, pinned_costs, tree_option
+from specplug.common.adaptive import AdaptiveController, pinned_costs, tree_family, tree_option
 from specplug.common.drafters import MedusaDrafter, prior_accuracies
 from specplug.common.metrics import AcceptanceStats
 from specplug.common.tree import DraftTree, TreeBatch, TreeConfig
@@ -263,11 +263,11 @@ class MedusaWorker(BaseSpecWorker):
             verdict = sampling.verify(tree.candidates, parents, logits.view(bs, n, -1), method="greedy",
                                       num_nodes=num_nodes)
         else:
+            min_p = info.min_ps.view(-1).repeat_interleave(n) if info.need_min_p_sampling else 0.0
             p = sampling.process_logits(
                 logits, temperature=info.temperatures.view(-1).repeat_interleave(n),
-                top_k=info.top_ks.view(-1).repeat_interleave(n), top_p=info.top_ps.view(-1).repeat_interleave(n))
-            if info.need_min_p_sampling:
-                p = _apply_min_p(p, info.min_ps.view(-1).repeat_interleave(n))
+                top_k=info.top_ks.view(-1).repeat_interleave(n), top_p=info.top_ps.view(-1).repeat_interleave(n),
+                min_p=min_p, order="sglang")  # SGLang's own filters, in its order
             verdict = sampling.verify(
                 tree.candidates, parents, p.view(bs, n, -1), method=self.settings.method, num_nodes=num_nodes,
                 generators=[self.generator] * bs, typical_epsilon=self.settings.typical_epsilon,
@@ -310,17 +310,9 @@ class MedusaWorker(BaseSpecWorker):
 
 def budget_configs(settings: MedusaSettings) -> list[TreeConfig]:
     """The trees adaptive speculation chooses among (each as the TreeConfig the drafter
-    builds it from), smallest first, up to the configured tree: chains of 1..depth for a
-    chain; budgets 1, 2, 4, 8, ... and the full budget for optimal sparse trees; explicit
-    choices offer only themselves."""
-    tree = settings.tree
-    if settings.choices is not None:
-        return [tree]
-    if tree.topk == 1:
-        return [TreeConfig(depth=d, topk=1, budget=d) for d in range(1, tree.depth + 1)]
-    full = settings.num_nodes - 1
-    budgets = sorted({b for b in (2 ** i for i in range(full.bit_length())) if b < full} | {full})
-    return [TreeConfig(depth=tree.depth, topk=tree.topk, budget=b) for b in budgets]
+    builds it from): the core's family for the configured tree
+    (specplug.common.adaptive.tree_family); explicit choices offer only themselves."""
+    return [settings.tree] if settings.choices is not None else tree_family(settings.tree)
 
 
 def _path_dependent(batch) -> torch.Tensor:
@@ -343,13 +335,6 @@ def _root_only(parents: torch.Tensor, rows: torch.Tensor):
     cut = rows[:, None] & (torch.arange(parents.shape[1], device=parents.device) > 0)
     num_nodes = torch.where(rows, 1, parents.shape[1]).cpu()
     return torch.where(cut, -1, parents), num_nodes
-
-
-def _apply_min_p(p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
-    """SGLang's min-p: drop tokens below min_p * max(p) per row, renormalise. p [R, V]."""
-    keep = p >= min_p[:, None] * p.max(dim=-1, keepdim=True).values
-    p = torch.where(keep, p, torch.zeros_like(p))
-    return p / p.sum(dim=-1, keepdim=True)
 
 
 def _apply_penalties(logits: torch.Tensor, info, n: int) -> torch.Tensor:

@@ -22,17 +22,9 @@ from collections import defaultdict
 import torch
 
 from specplug.common.adaptive import AdaptiveController as _Controller
-from specplug.common.adaptive import AdaptiveSettings
-from specplug.common.cost import SpecOption
+from specplug.common.adaptive import AdaptiveSettings, chain_options
 
 __all__ = ["AdaptiveController", "AdaptiveSettings", "chain_options"]
-
-
-def chain_options(max_depth: int) -> tuple[SpecOption, ...]:
-    """Chains of 1..max_depth drafts: vLLM verifies a chain, so nodes == depth."""
-    if max_depth < 1:
-        raise ValueError(f"adaptive speculation needs num_speculative_tokens >= 1, got {max_depth}")
-    return tuple(SpecOption(d, d) for d in range(1, max_depth + 1))
 
 
 class AdaptiveController(_Controller):

@@ -40,6 +40,7 @@ import torch
 
 from specplug.common.request_rules import apply_rules
 from specplug.common.sampling import position_uniforms, process_logits, verify
+from specplug.common.tree import chain_batch, pad_parents
 from specplug.vllm_eagle3.request_rules import min_p_of, rules_of, undraftable_reason
 
 logger = logging.getLogger(__name__)
@@ -50,32 +51,6 @@ def needs_chain(params) -> bool:
     unknown request) must be drafted as a chain: vLLM applies its grammar bitmask to
     the rows of a chain of drafts. Every other rule specplug applies per tree node."""
     return params is None or params.structured_outputs is not None
-
-
-def chain_layout(num_draft_tokens: list[int], draft_token_ids: torch.Tensor):
-    """vLLM's flat chains as a padded tree batch: candidates, parents Long [B, N], num_nodes [B]
-    (node 0 = root, whose token verify never reads; padding parents -1)."""
-    batch, width = len(num_draft_tokens), max(num_draft_tokens) + 1
-    num_nodes = torch.tensor(num_draft_tokens) + 1
-    node = torch.arange(width)
-    real = node[None] < num_nodes[:, None]  # [B, N]
-    parents = torch.where(real, node[None] - 1, -1)  # chain: node i's parent is i - 1
-    candidates = torch.zeros(batch, width, dtype=torch.long)
-    candidates[:, 1:][real[:, 1:]] = draft_token_ids.to(torch.long).cpu()
-    return candidates, parents, num_nodes
-
-
-def is_chain(parents: torch.Tensor) -> bool:
-    """parents Long [n]: node i's parent is i - 1 for every i."""
-    return bool(torch.equal(parents, torch.arange(-1, parents.shape[0] - 1)))
-
-
-def _stack_parents(parents: list[torch.Tensor], width: int) -> torch.Tensor:
-    """Per-request parents (Long [n_b + 1] each) as Long [B, width], padded with -1."""
-    out = torch.full((len(parents), width), -1, dtype=torch.long)
-    for b, p in enumerate(parents):
-        out[b, : p.shape[0]] = p
-    return out
 
 
 def _padded_output(result, candidates: torch.Tensor) -> torch.Tensor:
@@ -133,9 +108,9 @@ class SpecplugChainSampler:
         if reason is not None or self._plain_greedy(metadata, sampling_metadata):
             return self._without_drafts(reason, metadata, logits, sampling_metadata)
         tree_parents = None if self.tree is None else self.tree.parents_for(metadata.num_draft_tokens)
-        candidates, parents, num_nodes = chain_layout(metadata.num_draft_tokens, metadata.draft_token_ids)
+        candidates, parents, num_nodes, *_ = chain_batch(metadata.num_draft_tokens, metadata.draft_token_ids)
         if tree_parents is not None:
-            parents = _stack_parents(tree_parents, parents.shape[1])
+            parents = pad_parents(tree_parents, parents.shape[1])
         raw = logits[: int(num_nodes.sum())]  # [R, V], R = sum(num_nodes)
         params = self.request_params(len(num_nodes))
         processed = apply_rules(raw, rules_of(sampling_metadata, params, raw.shape[-1]), candidates, parents, num_nodes)

@@ -29,9 +29,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specplug.common.tree import ancestor_mask, tree_depths
+from specplug.common.tree import ancestor_mask, is_chain, tree_depths
 from specplug.vllm_eagle3 import paged_kv
-from specplug.vllm_eagle3.sampler import is_chain
 from specplug.vllm_eagle3.tree_attention import TreeRows
 
 logger = logging.getLogger(__name__)

@@ -200,3 +200,19 @@ def test_bad_arguments_name_the_problem():
         AdaptiveController(CHAINS).choose(0)
     with pytest.raises(ValueError, match="prior_alphas"):
         SpecOption(2, 2, prior_alphas=(0.5,))
+
+
+def test_option_families_live_in_the_core():
+    """Both engines take their adaptive options from here: vLLM chains of 1..k, SGLang
+    static trees of doubling budgets up to the tree a TreeConfig builds."""
+    from specplug.common.adaptive import chain_options, tree_family
+    from specplug.common.tree import TreeConfig
+
+    assert [(o.depth, o.nodes) for o in chain_options(3)] == [(1, 1), (2, 2), (3, 3)]
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        chain_options(0)
+    assert [c.budget for c in tree_family(TreeConfig(depth=2, topk=2, budget=10))] == [1, 2, 4, 6]  # full tree: 6
+    assert [c.budget for c in tree_family(TreeConfig(depth=3, topk=4, budget=8))] == [1, 2, 4, 8]
+    assert [(c.depth, c.budget) for c in tree_family(TreeConfig(depth=3, topk=1, budget=9))] == [(1, 1), (2, 2), (3, 3)]
+    assert TreeConfig(depth=2, topk=2, budget=10).static_nodes == 6
+    assert TreeConfig(depth=3, topk=1, budget=9).static_nodes == 3

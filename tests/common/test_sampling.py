@@ -211,6 +211,24 @@ def test_process_logits_temperature_top_k_top_p():
     assert (S.process_logits(logits, top_p=1.0) > 0).all()
 
 
+def test_process_logits_follows_each_engines_filter_order():
+    """p = [0.5, 0.3, 0.2], top-k 2, top-p 0.6: vLLM renormalises after top-k (mass
+    before token 1 is 0.625 >= 0.6: dropped), SGLang counts the full mass (0.5 <= 0.6:
+    kept). p = [0.4, 0.35, 0.25], min-p 0.7, top-p 0.5: vLLM filters min-p first and
+    renormalises (mass before token 1: 0.53 >= 0.5, dropped), SGLang takes top-p on the
+    full mass (0.4: kept), then min-p (0.35 >= 0.28: kept)."""
+    logits = torch.tensor([[0.5, 0.3, 0.2]]).log()
+    vllm = S.process_logits(logits, top_k=2, top_p=0.6)
+    sglang = S.process_logits(logits, top_k=2, top_p=0.6, order="sglang")
+    assert (vllm[0] > 0).tolist() == [True, False, False]
+    torch.testing.assert_close(sglang, torch.tensor([[0.625, 0.375, 0.0]]))
+    logits = torch.tensor([[0.4, 0.35, 0.25]]).log()
+    assert (S.process_logits(logits, top_p=0.5, min_p=0.7)[0] > 0).tolist() == [True, False, False]
+    assert (S.process_logits(logits, top_p=0.5, min_p=0.7, order="sglang")[0] > 0).tolist() == [True, True, False]
+    with pytest.raises(ValueError, match="order must be one of"):
+        S.process_logits(logits, order="tgi")
+
+
 def test_process_logits_per_request_settings_mix_greedy_and_sampled():
     logits = torch.randn(3, 5, 11)
     cfgs = [S.SamplingConfig(temperature=0.0), S.SamplingConfig(temperature=0.7, top_k=3), S.SamplingConfig(top_p=0.5)]

@@ -343,3 +343,12 @@ def test_dynamic_stops_expanding_below_stop_below():
         assert int(T.tree_depths(trees.parents[0]).max()) == want_calls + 1
     with pytest.raises(ValueError, match="stop_below"):
         T.TreeConfig(stop_below=1.0)
+
+
+def test_chain_batch_is_an_engines_flat_chain_layout():
+    batch = T.chain_batch([2, 0, 1], torch.tensor([5, 6, 7]))
+    assert batch.candidates.tolist() == [[0, 5, 6], [0, 0, 0], [0, 7, 0]]
+    assert batch.parents.tolist() == [[-1, 0, 1], [-1, -1, -1], [-1, 0, -1]]
+    assert batch.num_nodes.tolist() == [3, 1, 2]
+    assert T.is_chain(batch.parents[0]) and not T.is_chain(torch.tensor([-1, 0, 0]))
+    assert T.pad_parents([torch.tensor([-1, 0, 0]), torch.tensor([-1])], 4).tolist() == [[-1, 0, 0, -1], [-1, -1, -1, -1]]

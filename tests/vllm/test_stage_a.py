@@ -136,17 +136,6 @@ def test_penalties_are_verified_by_specplug_and_stay_exact(engine, target, specp
     assert spec == token_ids(engine(target).generate(PROMPTS[:4], sampling, use_tqdm=False))
 
 
-def test_chain_layout_is_verify_flat_layout():
-    import torch
-
-    from specplug.vllm_eagle3.sampler import chain_layout
-
-    candidates, parents, num_nodes = chain_layout([2, 0, 1], torch.tensor([5, 6, 7]))
-    assert candidates.tolist() == [[0, 5, 6], [0, 0, 0], [0, 7, 0]]
-    assert parents.tolist() == [[-1, 0, 1], [-1, -1, -1], [-1, 0, -1]]
-    assert num_nodes.tolist() == [3, 1, 2]
-
-
 def test_chunked_prefill_keeps_head_in_sync(engine, target, chain_head, plain_head):
     """A prompt longer than the token budget is prefilled in 64-token chunks; vLLM
     discards the drafts of partial prefills, and the head must still see every committed
