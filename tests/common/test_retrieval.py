@@ -261,6 +261,22 @@ def test_cache_is_bounded_and_evicts_the_oldest():
     assert drafted(d, "r")[0] == [100]
 
 
+def test_cache_is_bounded_by_tokens_too():
+    """cache_tokens caps the cached tokens in all (oldest requests evicted first), so
+    long requests cannot grow a server's memory 256 requests deep; the newest stays."""
+    d = RetrievalDrafter(RetrievalConfig(min_prob=0.0, cache_requests=100, cache_tokens=7))
+    for i, rid in enumerate(["a", "b", "c"]):
+        d.prefill(rid, [100 + i, 50, 60 + i])
+        d.free(rid)
+    assert [seq.tokens[0] for seq, _ in d.cache.entries.values()] == [101, 102] and d.cache.tokens == 6
+    assert all(gid >= d.cache.floor for gid in d.cache.head.values())
+    d.prefill("long", list(range(200, 220)))
+    d.free("long")
+    assert [seq.tokens[0] for seq, _ in d.cache.entries.values()] == [200] and d.cache.tokens == 20
+    with pytest.raises(ValueError, match="cache_tokens"):
+        RetrievalConfig(cache_tokens=-1)
+
+
 # -- datastore ------------------------------------------------------------------------------
 CORPUS = [[1, 2, 3, 4, 5], [7, 2, 3, 9], [2, 3, 4, 8, 8, 8]]
 

@@ -24,8 +24,11 @@ class RetrievalConfig:
                      first, then the cache's, then the datastore's): the sample size
                      of the probabilities.
     cache_requests:  finished requests' sequences kept for later requests (0 = off).
-                     Memory (n = 1..8, measured): ~300 bytes per cached token, ~500
-                     per live token.
+    cache_tokens:    ... and at most this many tokens in all, the oldest requests
+                     evicted first. Memory: ~300 bytes per cached token measured
+                     in isolation, ~600 in a serving engine's heap (~40 MiB at the
+                     default); ~500 per live token. A bound by requests alone let a
+                     server's cache grow to ~250 MiB with 1,700-token prompts.
     min_count:       a node needs at least this many supporting occurrences.
     min_prob:        a node needs at least this score (estimated acceptance).
     prior:           pseudo-count of a 1-token match; an n-token match uses prior / n.
@@ -51,6 +54,7 @@ class RetrievalConfig:
     max_match: int = 8
     max_occurrences: int = 32
     cache_requests: int = 256
+    cache_tokens: int = 65536
     min_count: int = 1
     min_prob: float = 0.1
     prior: float = 4.0
@@ -60,6 +64,7 @@ class RetrievalConfig:
         for name in ("max_depth", "budget", "min_match", "max_match", "max_occurrences", "min_count"):
             _check_int("RetrievalConfig", name, getattr(self, name), 1)
         _check_int("RetrievalConfig", "cache_requests", self.cache_requests, 0)
+        _check_int("RetrievalConfig", "cache_tokens", self.cache_tokens, 0)
         if self.max_match < self.min_match:
             raise ValueError(f"RetrievalConfig.max_match {self.max_match} < min_match {self.min_match}: "
                              "pass max_match >= min_match")

@@ -52,7 +52,7 @@ class RetrievalDrafter:
         self.config = config
         self.datastore = datastore
         self.live: dict[Hashable, _Sequence] = {}
-        self.cache = _RecentCache(config.cache_requests)
+        self.cache = _RecentCache(config.cache_requests, config.cache_tokens)
         logger.info("retrieval drafter: %s; datastore %s", dataclasses.asdict(config),
                     "none" if datastore is None else datastore.summary())
 
@@ -82,12 +82,12 @@ class RetrievalDrafter:
         seq = self.live.pop(request_id, None)
         if seq is None:
             logger.debug("free(%r): unknown request, nothing to do", request_id)
-        elif seq.tokens and self.config.cache_requests > 0:
+        elif seq.tokens and self.config.cache_requests > 0 and self.config.cache_tokens > 0:
             self.cache.add(seq)
 
     def clear_cache(self) -> None:
         """Forget the finished requests' sequences (live requests keep theirs)."""
-        self.cache = _RecentCache(self.config.cache_requests)
+        self.cache = _RecentCache(self.config.cache_requests, self.config.cache_tokens)
 
     def length(self, request_id: Hashable) -> int:
         return len(self._live(request_id).tokens)

@@ -122,15 +122,17 @@ class _Sequence:
 
 
 class _RecentCache:
-    """Finished requests' sequences, oldest first, at most ``capacity``, under one chained
+    """Finished requests' sequences, oldest first, at most ``capacity`` of them and at
+    most ``max_tokens`` tokens in all (the newest one always stays), under one chained
     index. Slot s of the sequence with uid u has global id ``u << SLOT_BITS | s``;
     ``entries[u] = (sequence, links)`` where ``links[s]`` is the global id of the previous
     occurrence of slot s's key (in the same or an older sequence). Invariant: ids below
     ``floor`` (evicted) are never followed, and ``head`` holds no key whose latest
     occurrence was evicted."""
 
-    def __init__(self, capacity: int):
-        self.capacity = capacity
+    def __init__(self, capacity: int, max_tokens: int | None = None):
+        self.capacity, self.max_tokens = capacity, max_tokens
+        self.tokens = 0  # cached tokens in all
         self.entries: dict[int, tuple[_Sequence, array]] = {}
         self.order: deque[int] = deque()  # uids, oldest first
         self.head: dict[int, int] = {}
@@ -157,12 +159,15 @@ class _RecentCache:
         self.entries[uid] = (seq, array("q", links))
         self.order.append(uid)
         self.next_uid = uid + 1
-        while len(self.order) > self.capacity:
+        self.tokens += len(seq.tokens)
+        while len(self.order) > self.capacity or (
+                len(self.order) > 1 and self.max_tokens is not None and self.tokens > self.max_tokens):
             self._evict_oldest()
 
     def _evict_oldest(self) -> None:
         uid = self.order.popleft()
         seq, _ = self.entries.pop(uid)
+        self.tokens -= len(seq.tokens)
         head, evicted = self.head, (uid + 1) << SLOT_BITS
         for key in seq.keys:
             if head.get(key, evicted) < evicted:  # its latest occurrence is gone, so are all
