@@ -51,6 +51,11 @@ def default_head() -> str | None:
         return None
 
 
+def engine_drafter(llm):
+    """The drafter (proposer) of an in-process vLLM engine, or None without speculation."""
+    return getattr(llm.llm_engine.model_executor.driver_worker.worker.model_runner, "drafter", None)
+
+
 def strip_specplug_section(head: str) -> str:
     """A folder with the same weights and a config.json without the `specplug` section,
     so vLLM's built-in EAGLE-3 path runs on exactly the same head."""
@@ -208,8 +213,7 @@ class VllmRunner:
         (vLLM's EAGLE path recomputes a prompt's last cached block, so a warm prefix
         cache favoured `none` over every EAGLE method.)"""
         llm.reset_prefix_cache()
-        runner = llm.llm_engine.model_executor.driver_worker.worker.model_runner
-        retrieval = getattr(getattr(runner, "drafter", None), "retrieval", None)
+        retrieval = getattr(engine_drafter(llm), "retrieval", None)
         if retrieval is not None:
             retrieval.clear_cache()
 

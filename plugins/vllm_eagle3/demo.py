@@ -262,8 +262,9 @@ def _short(path: Path) -> str:
 
 def _specplug_active(llm) -> bool:
     """Whether the in-process engine's drafter runs specplug's path."""
-    runner = llm.llm_engine.model_executor.driver_worker.worker.model_runner
-    return getattr(getattr(runner, "drafter", None), "specplug", None) is not None
+    from specplug.vllm_eagle3.bench_runner import engine_drafter
+
+    return getattr(engine_drafter(llm), "specplug", None) is not None
 
 
 def machine() -> str:

@@ -66,7 +66,7 @@ def rules_of(sampling_metadata, params: list, vocab: int) -> RequestRules:
         output_tokens=[list(t) for t in sampling_metadata.output_token_ids[:batch]],
         allowed=None if allowed is None else ~allowed[:batch, :vocab].cpu(),  # vLLM's mask marks banned ids
         bad_words=dict(sampling_metadata.bad_words_token_ids or {}),
-        logit_bias=_logit_bias(params),
+        logit_bias=logit_bias_of(params),
         min_tokens=_min_tokens(sampling_metadata),
         **penalties,
     )
@@ -80,7 +80,8 @@ def _prompt_mask(prompt_token_ids: torch.Tensor, vocab: int) -> torch.Tensor:
     return mask[:, :vocab]
 
 
-def _logit_bias(params: list) -> dict[int, dict[int, float]]:
+def logit_bias_of(params: list) -> dict[int, dict[int, float]]:
+    """request row -> {token id: bias} of the requests that set one (params as in min_p_of)."""
     return {b: {int(t): float(v) for t, v in p.logit_bias.items()}
             for b, p in enumerate(params) if p is not None and p.logit_bias}
 

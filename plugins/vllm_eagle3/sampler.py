@@ -41,7 +41,7 @@ import torch
 from specplug.common.request_rules import apply_rules
 from specplug.common.sampling import position_uniforms, process_logits, verify
 from specplug.common.tree import chain_batch, pad_parents
-from specplug.vllm_eagle3.request_rules import min_p_of, rules_of, undraftable_reason
+from specplug.vllm_eagle3.request_rules import logit_bias_of, min_p_of, rules_of, undraftable_reason
 
 logger = logging.getLogger(__name__)
 
@@ -131,7 +131,7 @@ class SpecplugChainSampler:
         vLLM's own sampler emits exactly what it would without speculation."""
         if not sampling_metadata.all_greedy or any(metadata.num_draft_tokens):
             return False
-        return not any(getattr(p, "logit_bias", None) for p in self.request_params(len(metadata.num_draft_tokens)))
+        return not logit_bias_of(self.request_params(len(metadata.num_draft_tokens)))
 
     def _logprobs(self, raw, tokens, result, num_nodes, max_num_logprobs):
         """vLLM's raw logprobs of every emitted token, rows in the order of `tokens`

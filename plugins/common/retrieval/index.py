@@ -130,7 +130,7 @@ class _RecentCache:
     ``floor`` (evicted) are never followed, and ``head`` holds no key whose latest
     occurrence was evicted."""
 
-    def __init__(self, capacity: int, max_tokens: int | None = None):
+    def __init__(self, capacity: int, max_tokens: int):
         self.capacity, self.max_tokens = capacity, max_tokens
         self.tokens = 0  # cached tokens in all
         self.entries: dict[int, tuple[_Sequence, array]] = {}
@@ -160,8 +160,7 @@ class _RecentCache:
         self.order.append(uid)
         self.next_uid = uid + 1
         self.tokens += len(seq.tokens)
-        while len(self.order) > self.capacity or (
-                len(self.order) > 1 and self.max_tokens is not None and self.tokens > self.max_tokens):
+        while len(self.order) > self.capacity or (len(self.order) > 1 and self.tokens > self.max_tokens):
             self._evict_oldest()
 
     def _evict_oldest(self) -> None:
