@@ -2,8 +2,10 @@
 
 `register()` runs in every SGLang process (SGLang's load_plugins()). It
 - installs tree verification for the torch_native attention backend (tree_attention.py),
-- registers the speculative algorithm "MEDUSA" (spec.py; worker in worker.py),
-- refuses structured-output requests on MEDUSA servers with a 400 (admission.py).
+- registers the speculative algorithms "MEDUSA" (Medusa heads; worker.py) and
+  "RETRIEVAL" (specplug's model-free retrieval drafter; retrieval_worker.py), both
+  verified by tree_worker.py (spec.py registers them),
+- refuses structured-output requests on their servers with a 400 (admission.py).
 SGLang is imported only inside register(), so `import specplug` works without it.
 """
 
@@ -27,5 +29,6 @@ def register() -> None:
     tree_attention.install()
     admission.install()
     spec.register_medusa()
-    logger.info("specplug: registered speculative algorithm MEDUSA and torch_native tree verification "
+    spec.register_retrieval()
+    logger.info("specplug: registered speculative algorithms MEDUSA and RETRIEVAL and torch_native tree verification "
                 "(AROUND hook on %s)", tree_attention.TARGET)

@@ -1,6 +1,6 @@
-"""Requests MEDUSA cannot serve are refused when they arrive, with a 400 naming why.
+"""Requests MEDUSA and RETRIEVAL cannot serve are refused when they arrive, with a 400 naming why.
 
-The MEDUSA worker does not apply grammars (structured output) to its tree rows; such a
+Their workers do not apply grammars (structured output) to their tree rows; such a
 request reaching a decode step would stop the scheduler and with it every request of
 the server. An AROUND hook on SGLang's TokenizerManager._validate_one_request (the
 check SGLang runs on every request before scheduling; a ValueError there becomes an
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 TARGET = "sglang.srt.managers.tokenizer_manager.TokenizerManager._validate_one_request"
 STRUCTURED_KEYS = ("json_schema", "regex", "ebnf", "structural_tag")
+SPECPLUG_ALGORITHMS = ("MEDUSA", "RETRIEVAL")
 
 
 def structured_output_key(sampling_params) -> str | None:
@@ -23,12 +24,13 @@ def structured_output_key(sampling_params) -> str | None:
 
 
 def validate_one_request(original, manager, obj, *args, **kwargs):
-    """AROUND hook: MEDUSA servers refuse structured-output requests; the rest as SGLang."""
-    if getattr(manager.server_args, "speculative_algorithm", None) == "MEDUSA":
+    """AROUND hook: MEDUSA and RETRIEVAL servers refuse structured-output requests; the rest as SGLang."""
+    algorithm = getattr(manager.server_args, "speculative_algorithm", None)
+    if algorithm in SPECPLUG_ALGORITHMS:
         key = structured_output_key(getattr(obj, "sampling_params", None))
         if key is not None:
             raise ValueError(
-                f"structured output ({key}) is not supported with --speculative-algorithm MEDUSA yet: "
+                f"structured output ({key}) is not supported with --speculative-algorithm {algorithm} yet: "
                 "send this request to a server without speculation, or drop response_format / " + key)
     return original(manager, obj, *args, **kwargs)
 

@@ -2,7 +2,8 @@
 fed in groups of `batch_size` requests that all generate exactly `max_new_tokens` tokens.
 
 Methods: `none` (no speculation), `ngram` (SGLang's NGRAM; on CPU its trees are verified
-through specplug's torch_native hook), `medusa` (specplug MEDUSA, lossless),
+through specplug's torch_native hook), `retrieval` (specplug's RETRIEVAL: the model-free
+retrieval drafter, lossless), `medusa` (specplug MEDUSA, lossless),
 `medusa-typical` (the same heads with typical acceptance, LOSSY) and `medusa-adaptive`
 (MEDUSA with adaptive speculation: `--speculative-adaptive`). With `--adaptive`, every
 MEDUSA method runs adaptive. Acceptance comes from SGLang's per-request meta_info
@@ -68,13 +69,15 @@ class SglangRunner:
         self._method, self._engine = None, None
 
     def methods(self) -> list[str]:
-        return ["none", "ngram"] + (["medusa", "medusa-typical", "medusa-adaptive"] if self.head else [])
+        return ["none", "ngram", "retrieval"] + (["medusa", "medusa-typical", "medusa-adaptive"] if self.head else [])
 
     def speculative_args(self, method: str) -> dict:
         if method == "none":
             return {}
         if method == "ngram":
             return {"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": NGRAM_DRAFT_TOKENS}
+        if method == "retrieval":
+            return {"speculative_algorithm": "RETRIEVAL"}
         if self.head is None:
             raise SystemExit(f"specplug bench: method {method!r} needs --head (a Medusa heads folder)")
         medusa = {"speculative_algorithm": "MEDUSA", "speculative_draft_model_path": self.head}

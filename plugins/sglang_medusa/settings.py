@@ -1,4 +1,8 @@
-"""MEDUSA settings: SGLang server arguments (+ the heads' specplug section) -> MedusaSettings.
+"""Settings of specplug's SGLang algorithms: server arguments -> MedusaSettings (MEDUSA,
+plus the heads' specplug section) or RetrievalSettings (RETRIEVAL, plus
+SPECPLUG_RETRIEVAL; see retrieval_settings_from_server_args).
+
+MEDUSA:
 
 Server arguments read (everything else keeps SGLang's meaning):
 
@@ -31,10 +35,12 @@ from __future__ import annotations
 import json
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from specplug.common.adaptive import adaptive_flag
+from specplug.common.retrieval import RetrievalConfig
+from specplug.common.retrieval.config import ENV_RETRIEVAL, retrieval_override, retrieval_settings
 from specplug.common.sampling import TYPICAL_DELTA, TYPICAL_EPSILON
 from specplug.common.tree import TreeConfig
 
@@ -78,8 +84,8 @@ class MedusaSettings:
         return "typical" if self.verification == "typical" else "rejection"
 
 
-def _fail(arg: str, expected: str, given, fix: str) -> None:
-    raise ValueError(f"MEDUSA: {arg} must be {expected}, got {given!r}: {fix}")
+def _fail(arg: str, expected: str, given, fix: str, algorithm: str = "MEDUSA") -> None:
+    raise ValueError(f"{algorithm}: {arg} must be {expected}, got {given!r}: {fix}")
 
 
 def read_head_section(heads_path: str) -> tuple[int, dict]:
@@ -170,3 +176,53 @@ def settings_from_server_args(cfg, adaptive_arg: bool = False, environ=None) -> 
         head_accuracies=None if accuracies is None else tuple(tuple(map(float, r)) for r in accuracies),
         adaptive=adaptive_flag({**section, "adaptive": section.get("adaptive", False) or bool(adaptive_arg)}, environ),
     )
+
+
+@dataclass(frozen=True)
+class RetrievalSettings:
+    """What the RETRIEVAL worker needs: the drafter's settings and an optional datastore."""
+
+    config: RetrievalConfig = RetrievalConfig()
+    datastore: str | None = None
+
+    @property
+    def num_nodes(self) -> int:
+        """Most tree nodes a step verifies, root included: SGLang's speculative_num_draft_tokens."""
+        return self.config.budget + 1
+
+
+# RETRIEVAL's defaults over RetrievalConfig's: a tree is verified whole (every node,
+# min_prob 0) when its expected accepted length reaches 0.5, else the root alone.
+# Measured on the test bed's SGLang CPU path (docs/sglang.md): a verify pass costs ~77 ms
+# for the root alone and ~120 ms for 4-9 nodes, nearly flat in between.
+SGLANG_RETRIEVAL = {"min_prob": 0.0, "min_expected": 0.5}
+
+
+def retrieval_settings_from_server_args(cfg, environ=None) -> RetrievalSettings:
+    """RETRIEVAL: RetrievalConfig's defaults with SGLANG_RETRIEVAL over them,
+    SPECPLUG_RETRIEVAL's JSON fields (and "datastore") over those, then
+    --speculative-num-draft-tokens N (budget N - 1) and --speculative-num-steps D
+    (max_depth) over those. ValueError names the fix."""
+    environ = os.environ if environ is None else environ
+    override = retrieval_override(environ)
+    if override is False:
+        _fail(ENV_RETRIEVAL, "unset, 1 or a JSON object for RETRIEVAL", environ.get(ENV_RETRIEVAL),
+              "unset it: RETRIEVAL has no other drafter", "RETRIEVAL")
+    given = override if isinstance(override, dict) else {}
+    config, datastore = retrieval_settings({"retrieval": {**SGLANG_RETRIEVAL, **given}}, {})
+    fields = {}
+    if cfg.speculative_num_draft_tokens is not None:
+        fields["budget"] = _positive("--speculative-num-draft-tokens minus one", cfg.speculative_num_draft_tokens - 1)
+    if cfg.speculative_num_steps is not None:
+        fields["max_depth"] = _positive("--speculative-num-steps", cfg.speculative_num_steps)
+    if datastore is not None and not Path(datastore).is_file():
+        _fail(f"{ENV_RETRIEVAL} \"datastore\"", "a datastore file", datastore,
+              "build one with `specplug datastore build` or drop the field", "RETRIEVAL")
+    return RetrievalSettings(replace(config, **fields), datastore)
+
+
+def _positive(arg: str, value) -> int:
+    if not isinstance(value, int) or value < 1:
+        _fail(arg, "an int >= 1", value, "pass a positive value or leave it unset", "RETRIEVAL")
+    return value
+

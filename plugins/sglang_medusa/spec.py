@@ -1,10 +1,11 @@
-"""The MEDUSA algorithm as SGLang sees it: registration, scheduler answers, argument checks.
+"""specplug's algorithms as SGLang sees them: registration, scheduler answers, argument checks.
 
-`register_medusa()` calls `SpeculativeAlgorithm.register("MEDUSA", ...)` with
-`MedusaSpecAlgo`, a `CustomSpecAlgo` that also answers the questions SGLang 0.5.23's
-scheduler asks every algorithm (`carries_draft_hidden_states`, `create_future_map`,
-`need_topk`, ...). MEDUSA has no draft model and no draft KV: the heads read the
-target's last hidden state, and the tree lives only in the verify pass's mask.
+`register_medusa()` and `register_retrieval()` call `SpeculativeAlgorithm.register(NAME,
+...)` with `SpecplugSpecAlgo`, a `CustomSpecAlgo` that also answers the questions SGLang
+0.5.23's scheduler asks every algorithm (`carries_draft_hidden_states`,
+`create_future_map`, `need_topk`, ...). Neither has a draft model or draft KV: MEDUSA's
+heads read the target's last hidden state, RETRIEVAL reads tokens only, and the tree
+lives only in the verify pass's mask.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import logging
 logger = logging.getLogger(__name__)
 
 NAME = "MEDUSA"
+RETRIEVAL = "RETRIEVAL"
 
 
 def validate_server_args(server_args) -> None:
@@ -31,13 +33,13 @@ def validate_server_args(server_args) -> None:
                 ", adaptive speculation (specplug)" if settings.adaptive else "")
 
 
-def _check_backend(cfg) -> None:
+def _check_backend(cfg, algorithm: str = NAME) -> None:
     if cfg.device == "cpu" and (cfg.attention_backend or "torch_native") != "torch_native":
         raise ValueError(
-            f"MEDUSA on CPU verifies trees with the torch_native attention backend, got "
+            f"{algorithm} on CPU verifies trees with the torch_native attention backend, got "
             f"--attention-backend {cfg.attention_backend}: pass --attention-backend torch_native")
     if cfg.enable_dp_attention or (cfg.pp_size or 1) > 1:
-        raise ValueError("MEDUSA does not support data-parallel attention or pipeline parallelism: "
+        raise ValueError(f"{algorithm} does not support data-parallel attention or pipeline parallelism: "
                          "drop --enable-dp-attention / --pp-size")
 
 
@@ -66,12 +68,50 @@ def handle_server_args(server_args) -> None:
     server_args.speculative_num_draft_tokens = settings.num_nodes
     server_args.speculative_num_steps = settings.tree.depth
     server_args.speculative_eagle_topk = settings.tree.topk
+    _synchronous_cpu_defaults(server_args, cfg)
+
+
+def validate_retrieval_args(server_args) -> None:
+    """Reject bad RETRIEVAL arguments before any model loads (runs in the launching process)."""
+    from sglang.srt.arg_groups.overrides import resolving_view
+
+    from specplug.sglang_medusa.settings import retrieval_settings_from_server_args
+
+    cfg = resolving_view(server_args)
+    settings = retrieval_settings_from_server_args(cfg)
+    _check_backend(cfg, RETRIEVAL)
+    logger.info("RETRIEVAL: up to %d draft nodes, depth %d, datastore %s, lossless verification",
+                settings.config.budget, settings.config.max_depth, settings.datastore or "none")
+
+
+def handle_retrieval_args(server_args) -> None:
+    """Fill the arguments RETRIEVAL decides: the most nodes a tree may have, synchronous schedule."""
+    from sglang.srt.arg_groups.overrides import resolving_view
+
+    from specplug.sglang_medusa.settings import retrieval_settings_from_server_args
+
+    cfg = resolving_view(server_args)
+    settings = retrieval_settings_from_server_args(cfg)
+    server_args.speculative_num_draft_tokens = settings.num_nodes
+    server_args.speculative_num_steps = settings.config.max_depth
+    server_args.speculative_eagle_topk = 1
+    _synchronous_cpu_defaults(server_args, cfg)
+
+
+def _synchronous_cpu_defaults(server_args, cfg) -> None:
+    """Both algorithms: synchronous worker, torch_native on CPU, no mixed chunks, 48 requests."""
     server_args.disable_overlap_schedule = True
     if cfg.device == "cpu" and cfg.attention_backend is None:
         server_args.attention_backend = "torch_native"  # the CPU backend with tree verification
     server_args.enable_mixed_chunk = False
     if cfg.max_running_requests is None:
         server_args.max_running_requests = 48
+
+
+def _retrieval_worker_factory(server_args):
+    from specplug.sglang_medusa.retrieval_worker import RetrievalWorker
+
+    return RetrievalWorker
 
 
 def _worker_factory(server_args):
@@ -84,9 +124,9 @@ def _spec_class():
     """Build the CustomSpecAlgo subclass (SGLang is imported lazily, inside register())."""
     from sglang.srt.speculative.spec_registry import CustomSpecAlgo
 
-    class MedusaSpecAlgo(CustomSpecAlgo):
-        """Answers for the scheduler: no draft model, no draft KV, no hidden-state
-        transfer, no top-k draft chains; the future map is SGLang's default."""
+    class SpecplugSpecAlgo(CustomSpecAlgo):
+        """Answers for the scheduler (MEDUSA and RETRIEVAL): no draft model, no draft KV,
+        no hidden-state transfer, no top-k draft chains; the future map is SGLang's default."""
 
         def has_draft_kv(self) -> bool:
             return False
@@ -101,7 +141,7 @@ def _spec_class():
             return False
 
         def handle_server_args(self, server_args) -> None:
-            handle_server_args(server_args)
+            (handle_retrieval_args if self.name == RETRIEVAL else handle_server_args)(server_args)
 
         def create_future_map(self, device, req_to_token_pool, needs_cpu_seq_lens=True,
                               needs_confidence_relay=False):
@@ -109,7 +149,7 @@ def _spec_class():
 
             return FutureMap(device, self, req_to_token_pool, needs_cpu_seq_lens, needs_confidence_relay)
 
-    return MedusaSpecAlgo
+    return SpecplugSpecAlgo
 
 
 ALIAS_TARGET = "sglang.srt.arg_groups.speculative_hook._resolve_speculative_algorithm_alias"
@@ -165,3 +205,15 @@ def register_medusa() -> None:
     SpeculativeAlgorithm.register(
         NAME, supports_overlap=False, validate_server_args=validate_server_args, spec_class=_spec_class(),
     )(_worker_factory)
+
+
+def register_retrieval() -> None:
+    """SpeculativeAlgorithm.register("RETRIEVAL", ...); a second call in one process is a no-op."""
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+    from sglang.srt.speculative.spec_registry import get_spec
+
+    if get_spec(RETRIEVAL) is not None:
+        return
+    SpeculativeAlgorithm.register(
+        RETRIEVAL, supports_overlap=False, validate_server_args=validate_retrieval_args, spec_class=_spec_class(),
+    )(_retrieval_worker_factory)

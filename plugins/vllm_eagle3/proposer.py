@@ -289,10 +289,16 @@ class SpecplugEagleProposer(EagleProposer):
     def _with_retrieval(self, trees, req_ids, depth, budget):
         """The head's trees merged with retrieval trees (same roots) into one tree per
         request: `budget` best nodes (None: every node), retrieval paths at most `depth`
-        deep (None: its own max_depth)."""
+        deep (None: its own max_depth). For chains (`budget` None) retrieval keeps nodes
+        below its min_prob too: vLLM verifies all `depth` slots whatever they hold, so a
+        weak continuation of the best path still beats padding it."""
         if self.retrieval is None:
             return trees
-        found = self.retrieval.draft(req_ids, trees.candidates[:, 0], max_depth=depth)
+        if budget is None:
+            found = self.retrieval.draft(req_ids, trees.candidates[:, 0], max_depth=depth, min_prob=0.0,
+                                         budget=max(self.retrieval.config.budget, 2 * depth))
+        else:
+            found = self.retrieval.draft(req_ids, trees.candidates[:, 0], max_depth=depth)
         keep = budget if budget is not None else int(trees.num_nodes.max() + found.num_nodes.max())
         return merge_trees([trees, found], keep)
 

@@ -25,11 +25,11 @@ from typing import Any, Mapping
 from specplug.common.adaptive import ENV_ADAPTIVE as ENV_ADAPTIVE_OVERRIDE
 from specplug.common.adaptive import adaptive_flag
 from specplug.common.retrieval import RetrievalConfig
+from specplug.common.retrieval.config import retrieval_settings
 from specplug.common.tree import TreeConfig
 
 ENV_TREE_OVERRIDE = "SPECPLUG_TREE"
 ENV_STAGE_OVERRIDE = "SPECPLUG_STAGE"
-ENV_RETRIEVAL_OVERRIDE = "SPECPLUG_RETRIEVAL"
 STAGES = ("chain", "tree")
 
 
@@ -106,40 +106,6 @@ def adapter_settings(section: Mapping[str, Any], environ: Mapping[str, str] = os
         retrieval=retrieval,
         datastore=datastore,
     )
-
-
-def retrieval_settings(section: Mapping[str, Any], environ: Mapping[str, str] = os.environ):
-    """(RetrievalConfig or None, datastore path or None) from the section's "retrieval"
-    value (true / false / an object), SPECPLUG_RETRIEVAL overriding it."""
-    value = section.get("retrieval")
-    override = environ.get(ENV_RETRIEVAL_OVERRIDE, "").strip()
-    if override:
-        value = _parse_retrieval_override(override)
-    if value is None or value is False:
-        return None, None
-    if value is True:
-        value = {}
-    if not isinstance(value, Mapping):
-        raise ValueError(f"specplug \"retrieval\" must be true, false or an object of RetrievalConfig fields, "
-                         f"got {value!r}: fix the head's specplug section or {ENV_RETRIEVAL_OVERRIDE}")
-    fields = dict(value)
-    datastore = fields.pop("datastore", None)
-    try:
-        return RetrievalConfig(**fields), datastore
-    except TypeError as exc:
-        raise ValueError(f"specplug \"retrieval\" has an unknown field ({exc}): use fields of "
-                         "specplug.common.retrieval.RetrievalConfig or \"datastore\"") from exc
-
-
-def _parse_retrieval_override(text: str):
-    if text.lower() in ("0", "false", "off"):
-        return False
-    if text.lower() in ("1", "true", "on"):
-        return True
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{ENV_RETRIEVAL_OVERRIDE} must be 0, 1 or a JSON object, got {text!r}: {exc}") from exc
 
 
 def check_num_speculative_tokens(settings: AdapterSettings, num_speculative_tokens: int) -> None:

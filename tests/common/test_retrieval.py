@@ -80,6 +80,26 @@ def test_min_prob_and_min_count_prune_weak_branches():
         assert drafted(d, max_depth=1)[0] == [2, 3]
 
 
+def test_min_prob_override_keeps_a_weak_continuation_for_slots_verified_anyway():
+    d = RetrievalDrafter()  # prior 4: a lone occurrence after a 1-token match scores 0.2, then 0.04
+    d.prefill("r", [1, 7, 8, 9, 1])
+    assert drafted(d)[0] == [1, 7]
+    tokens, _, probs = drafted(d, min_prob=0.0, max_depth=3)
+    assert tokens == [1, 7, 8, 9] and probs == pytest.approx([1.0, 0.2, 0.04, 0.008])
+    assert d.config.min_prob == 0.1  # the override is for that call only
+
+
+def test_min_expected_drafts_only_trees_expected_to_pay():
+    d = RetrievalDrafter(RetrievalConfig(min_prob=0.0, min_expected=0.5))
+    d.prefill("weak", [1, 7, 8, 9, 1])  # a lone 1-token match: expected 0.2 + 0.04 + ... < 0.5
+    d.prefill("strong", [3, 4, 5, 6, 2, 2, 3, 4, 5, 6, 2, 2, 3, 4, 5])  # 3-token matches, twice
+    batch, probs = d.draft_scored(["weak", "strong"])
+    assert batch.num_nodes[0] == 1 and batch.num_nodes[1] > 3
+    assert probs[1].sum() - 1 >= 0.5
+    with pytest.raises(ValueError, match="min_expected"):
+        RetrievalConfig(min_expected=-1)
+
+
 def test_no_match_gives_the_root_alone():
     d = RetrievalDrafter()
     d.prefill("a", [1, 2, 3, 4, 5])
@@ -209,6 +229,23 @@ def test_rollback_then_extend_equals_never_adding():
     assert state(clean, "r") == state(rolled, "r")
     rolled.rollback("r", 0)
     assert state(rolled, "r") == ([], [], [], {})
+
+
+def test_sync_follows_an_engines_committed_tokens():
+    """sync(prompt, output) appends what is new, forgets what the engine discarded, and
+    ends in the state of adding the same tokens directly."""
+    rng = random.Random(5)
+    prompt, output = [rng.randrange(5) for _ in range(30)], [rng.randrange(5) for _ in range(20)]
+    direct, synced = RetrievalDrafter(LOOSE), RetrievalDrafter(LOOSE)
+    direct.prefill("r", prompt + output)
+    synced.sync("r", prompt[:10], [])  # a first chunk
+    synced.sync("r", prompt, output[:5])
+    synced.sync("r", prompt, output[:5] + [4, 4, 4])  # drafts the engine later discards
+    synced.sync("r", prompt, output[:5])
+    synced.sync("r", prompt, output)
+    assert state(direct, "r") == state(synced, "r")
+    synced.sync("r", prompt[:12])  # a recomputed request shorter than before
+    assert synced.tokens("r") == prompt[:12]
 
 
 def test_bad_calls_are_refused():

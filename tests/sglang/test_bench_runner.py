@@ -8,9 +8,10 @@ from specplug.sglang_medusa.bench_runner import TYPICAL, SglangRunner, engine_ar
 
 def test_methods_and_their_speculative_arguments(sgl_model, medusa_heads):
     runner = SglangRunner(str(sgl_model), str(medusa_heads), max_new_tokens=8, temperature=0.0, seed=0, max_batch=4)
-    assert runner.methods() == ["none", "ngram", "medusa", "medusa-typical", "medusa-adaptive"]
+    assert runner.methods() == ["none", "ngram", "retrieval", "medusa", "medusa-typical", "medusa-adaptive"]
     assert runner.speculative_args("none") == {}
     assert runner.speculative_args("ngram")["speculative_algorithm"] == "NGRAM"
+    assert runner.speculative_args("retrieval") == {"speculative_algorithm": "RETRIEVAL"}
     medusa = runner.speculative_args("medusa")
     assert medusa == {"speculative_algorithm": "MEDUSA", "speculative_draft_model_path": str(medusa_heads)}
     assert runner.speculative_args("medusa-typical") == {**medusa, **TYPICAL}
@@ -22,7 +23,7 @@ def test_methods_and_their_speculative_arguments(sgl_model, medusa_heads):
     with pytest.raises(SystemExit, match="unknown SGLang method"):
         runner.speculative_args("eagle3")
     no_head = SglangRunner(str(sgl_model), None, max_new_tokens=8, temperature=0.0, seed=0, max_batch=4)
-    assert no_head.methods() == ["none", "ngram"]
+    assert no_head.methods() == ["none", "ngram", "retrieval"]
     with pytest.raises(SystemExit, match="needs --head"):
         no_head.speculative_args("medusa")
 

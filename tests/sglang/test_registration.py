@@ -1,4 +1,4 @@
-"""MEDUSA is found through the entry point, and bad arguments fail before any model loads."""
+"""MEDUSA and RETRIEVAL are found through the entry point, and bad arguments fail before any model loads."""
 
 import importlib.metadata
 import subprocess
@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from specplug.sglang_medusa.settings import settings_from_server_args
+from specplug.sglang_medusa.settings import retrieval_settings_from_server_args, settings_from_server_args
 from tests.sglang.conftest import ENGINE_ARGS
 
 
@@ -22,6 +22,8 @@ def test_entry_point_registers_medusa_and_tree_attention():
     assert algo.name == "MEDUSA" and algo.is_speculative() and not algo.is_eagle()
     assert not algo.need_topk() and not algo.carries_draft_hidden_states() and not algo.has_draft_kv()
     assert "TorchNativeAttnBackend.forward_extend" in " ".join(HookRegistry._patched)
+    retrieval = SpeculativeAlgorithm.from_string("retrieval")
+    assert retrieval.name == "RETRIEVAL" and not retrieval.has_draft_kv() and not retrieval.need_topk()
 
 
 def _settings(**kw):
@@ -59,6 +61,34 @@ def test_bad_arguments_are_named(medusa_heads, kwargs, message):
     kwargs.setdefault("speculative_draft_model_path", None if not kwargs else str(medusa_heads))
     with pytest.raises(ValueError, match=message):
         _settings(**kwargs)
+
+
+def _retrieval(environ=None, **kw):
+    from types import SimpleNamespace
+
+    base = dict(speculative_num_steps=None, speculative_num_draft_tokens=None)
+    return retrieval_settings_from_server_args(SimpleNamespace(**{**base, **kw}), environ or {})
+
+
+def test_retrieval_settings_come_from_the_defaults_then_environment_then_arguments(tmp_path):
+    s = _retrieval()
+    assert (s.config.budget, s.num_nodes, s.config.max_depth, s.config.min_prob, s.config.min_expected) == (8, 9, 8, 0, .5)
+    s = _retrieval({"SPECPLUG_RETRIEVAL": '{"budget": 4, "min_prob": 0.2}'})
+    assert (s.config.budget, s.config.min_prob, s.config.min_expected, s.num_nodes) == (4, 0.2, 0.5, 5)
+    s = _retrieval({"SPECPLUG_RETRIEVAL": '{"budget": 4}'}, speculative_num_draft_tokens=7, speculative_num_steps=3)
+    assert (s.config.budget, s.config.max_depth, s.datastore) == (6, 3, None)
+
+
+@pytest.mark.parametrize("environ, kwargs, message", [
+    ({"SPECPLUG_RETRIEVAL": "0"}, {}, "RETRIEVAL has no other drafter"),
+    ({"SPECPLUG_RETRIEVAL": '{"budgte": 3}'}, {}, "unknown field"),
+    ({"SPECPLUG_RETRIEVAL": '{"datastore": "/no/such.npz"}'}, {}, "specplug datastore build"),
+    ({}, {"speculative_num_draft_tokens": 1}, "--speculative-num-draft-tokens minus one"),
+    ({}, {"speculative_num_steps": 0}, "--speculative-num-steps"),
+])
+def test_bad_retrieval_settings_are_named(environ, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        _retrieval(environ, **kwargs)
 
 
 def test_engine_rejects_bad_arguments_before_model_load(sgl_model, medusa_heads, tmp_path):

@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import json
+import os
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
+
+ENV_RETRIEVAL = "SPECPLUG_RETRIEVAL"  # 0 / 1 / a JSON object of RetrievalConfig fields (+ "datastore")
 
 
 def _check_int(owner: str, name: str, value, low: int) -> None:
@@ -41,6 +47,11 @@ class RetrievalConfig:
                      time after a 1 / 2 / 3 / 4-7 / 8-token match (prior 4 predicts
                      0.20 / 0.33 / 0.43 / 0.50-0.64 / 0.67), and all nodes' scores
                      were off their acceptance rate by 0.05 on average (raw: 0.10).
+    min_expected:    a request drafts only when its tree's expected accepted length (the
+                     sum of its nodes' scores) reaches this; otherwise its root alone.
+                     0 = off. For engines whose verify pass costs much more per step
+                     with drafts than without (SGLang's CPU path: ~75 ms for the root
+                     alone, ~105-120 ms for 4-9 nodes).
     head_skip:       hybrid drafting: a step whose every request's best retrieval chain
                      expects at least this many accepted tokens (sum of its nodes'
                      scores) drafts from retrieval alone, without running the head
@@ -58,6 +69,7 @@ class RetrievalConfig:
     min_count: int = 1
     min_prob: float = 0.1
     prior: float = 4.0
+    min_expected: float = 0.0
     head_skip: float | None = None
 
     def __post_init__(self) -> None:
@@ -70,6 +82,9 @@ class RetrievalConfig:
                              "pass max_match >= min_match")
         if not 0.0 <= float(self.min_prob) <= 1.0:
             raise ValueError(f"RetrievalConfig.min_prob must lie in [0, 1], got {self.min_prob!r}")
+        if not float(self.min_expected) >= 0.0:
+            raise ValueError(f"RetrievalConfig.min_expected must be >= 0, got {self.min_expected!r}: pass an "
+                             "expected accepted length >= 0 (0 = off)")
         if not float(self.prior) >= 0.0:
             raise ValueError(f"RetrievalConfig.prior must be >= 0, got {self.prior!r}: pass a pseudo-count >= 0")
         if self.head_skip is not None and not float(self.head_skip) > 0.0:
@@ -88,3 +103,42 @@ class RetrievalConfig:
     def levels(self) -> int:
         """n-gram lengths indexed per position: max_match - min_match + 1."""
         return self.max_match - self.min_match + 1
+
+
+def retrieval_settings(section: Mapping[str, Any], environ: Mapping[str, str] = os.environ):
+    """(RetrievalConfig or None, datastore path or None) from a head's `specplug` section's
+    "retrieval" value (true / false / an object of RetrievalConfig fields and an optional
+    "datastore" path), SPECPLUG_RETRIEVAL overriding it. Both engines read it here."""
+    value = section.get("retrieval")
+    override = retrieval_override(environ)
+    if override is not None:
+        value = override
+    if value is None or value is False:
+        return None, None
+    if value is True:
+        value = {}
+    if not isinstance(value, Mapping):
+        raise ValueError(f"specplug \"retrieval\" must be true, false or an object of RetrievalConfig fields, "
+                         f"got {value!r}: fix the head's specplug section or {ENV_RETRIEVAL}")
+    fields = dict(value)
+    datastore = fields.pop("datastore", None)
+    try:
+        return RetrievalConfig(**fields), datastore
+    except TypeError as exc:
+        raise ValueError(f"specplug \"retrieval\" has an unknown field ({exc}): use fields of "
+                         "specplug.common.retrieval.RetrievalConfig or \"datastore\"") from exc
+
+
+def retrieval_override(environ: Mapping[str, str] = os.environ):
+    """SPECPLUG_RETRIEVAL as given: None (unset), False ("0"), True ("1") or a dict (JSON)."""
+    text = environ.get(ENV_RETRIEVAL, "").strip()
+    if not text:
+        return None
+    if text.lower() in ("0", "false", "off"):
+        return False
+    if text.lower() in ("1", "true", "on"):
+        return True
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{ENV_RETRIEVAL} must be 0, 1 or a JSON object, got {text!r}: {exc}") from exc

@@ -77,6 +77,24 @@ class RetrievalDrafter:
                              f"{request_id!r}, got {length!r}: pass the number of tokens to keep")
         seq.truncate(int(length))
 
+    def sync(self, request_id: Hashable, *parts: Sequence[int]) -> None:
+        """Hold exactly the concatenation of `parts` (an engine's committed tokens, e.g.
+        prompt and output so far), of which what the request holds is a prefix: append
+        what is new (starting the request if its id is new), forget what the engine
+        discarded. Slices only the new tokens, not the whole sequence."""
+        total = sum(len(part) for part in parts)
+        have = len(self.live[request_id].tokens) if request_id in self.live else 0
+        if have > total:
+            self.rollback(request_id, total)
+            return
+        new, offset = [], 0
+        for part in parts:
+            if have < offset + len(part):
+                new.extend(part[max(0, have - offset):])
+            offset += len(part)
+        if new:
+            self.prefill(request_id, new)
+
     def free(self, request_id: Hashable) -> None:
         """The request finished: its sequence moves into the bounded cache (unknown ids: no-op)."""
         seq = self.live.pop(request_id, None)
@@ -163,7 +181,7 @@ class RetrievalDrafter:
 
     # -- drafting --------------------------------------------------------------------
     def draft_scored(self, request_ids: Sequence[Hashable], root_tokens=None, *, budget: int | None = None,
-                     max_depth: int | None = None) -> tuple[TreeBatch, torch.Tensor]:
+                     max_depth: int | None = None, min_prob: float | None = None) -> tuple[TreeBatch, torch.Tensor]:
         """Draft trees and the estimated acceptance probability of every node.
 
         Returns (TreeBatch, probs): candidates / parents Long [B, N], num_nodes Long [B],
@@ -173,15 +191,16 @@ class RetrievalDrafter:
         0): comparable with a head's path probabilities. A request without any match
         gets the root alone.
         ``root_tokens`` (Long [B], optional) must equal each request's last committed
-        token; it supplies the root of a request with no tokens yet. ``budget`` and
-        ``max_depth`` override the config for this call.
+        token; it supplies the root of a request with no tokens yet. ``budget``,
+        ``max_depth`` and ``min_prob`` override the config for this call (min_prob 0:
+        every continuation node, e.g. to fill draft slots an engine verifies anyway).
         """
-        cfg = self.config
+        cfg = self.config if min_prob is None else dataclasses.replace(self.config, min_prob=min_prob)
         budget = cfg.budget if budget is None else budget
         depth = cfg.max_depth if max_depth is None else max_depth
         roots, found = self._gather(request_ids, root_tokens, depth)
         trees = [continuation_tree(conts, budget, cfg, n) for n, conts in found]
-        return _pack(roots, trees)
+        return _pack(roots, [t if sum(t[2]) >= cfg.min_expected else ([], [], []) for t in trees])
 
     def draft(self, request_ids: Sequence[Hashable], root_tokens=None, **overrides) -> TreeBatch:
         """Draft trees (see :meth:`draft_scored`); TreeBatch.scores are log-scores."""

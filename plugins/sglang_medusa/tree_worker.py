@@ -1,0 +1,300 @@
+"""What every specplug drafter needs from SGLang 0.5.23: tree verification in its scheduler.
+
+`TreeVerifyWorker` is the synchronous speculative worker shell; a drafter's worker
+(MEDUSA: worker.MedusaWorker, RETRIEVAL: retrieval_worker.RetrievalWorker) supplies
+only the drafting: `_draft` (a TreeBatch and its layout), `_prefilled` and `_commit`
+(what the drafter keeps), `note_request_finished` / `clear_cache_pool`. One decode
+step for B requests:
+
+1. draft: the subclass's tree per request, candidates [B, n] (node 0 = the root, the
+   last committed token, whose KV is not yet in the cache), n <= num_nodes.
+2. verify: ONE TARGET_VERIFY forward of the B*n nodes at positions seq_len + depth,
+   each node attending to the prefix and its ancestors (tree mask; on CPU through
+   specplug.sglang_medusa.tree_attention), logits [B*n, V].
+3. accept: specplug.common.sampling.verify, greedy for all-greedy batches, else the
+   lossless target-only tree rule (or typical acceptance, LOSSY, when configured).
+4. commit: SGLang moves the accepted path's KV to the front of the verify window
+   (move_accept_tokens_to_target_kvcache) and frees the rest.
+
+SGLang reserves KV slots for `num_nodes` nodes per request every step
+(speculative_num_draft_tokens); a step with a smaller tree uses the first n of them
+and pads its outputs to width num_nodes, the stride SGLang's bookkeeping reads.
+Prefill (extend) batches run the plain target forward.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from specplug.common import sampling
+from specplug.common.metrics import AcceptanceStats
+from specplug.common.tree import DraftTree, TreeBatch, ancestor_mask, sglang_layout, tree_depths
+
+logger = logging.getLogger(__name__)
+
+try:  # SGLang is present whenever this module is imported by a worker factory
+    from sglang.kernels.ops.speculative.cache_locs import assign_extend_cache_locs_func
+    from sglang.srt.managers.utils import GenerationBatchResult
+    from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardMode
+    from sglang.srt.speculative.base_spec_worker import BaseSpecWorker
+    from sglang.srt.speculative.ngram_info import NgramVerifyInput
+    from sglang.srt.speculative.spec_utils import move_accept_tokens_to_target_kvcache
+except ImportError as exc:  # pragma: no cover - import-time guard for engine-free installs
+    raise ImportError("specplug.sglang_medusa needs SGLang 0.5.23: pip install 'specplug[sglang]'") from exc
+
+
+def tree_layout(tree: DraftTree) -> dict[str, torch.Tensor]:
+    """One static tree's mask Bool [N, N], depths Long [N] and SGLang retrieve links [N]."""
+    _, next_token, next_sibling = tree.sglang_layout()
+    return {"mask": tree.attention_mask(), "depth": tree.depth, "next_token": next_token,
+            "next_sibling": next_sibling}
+
+
+def batch_layout(trees: TreeBatch) -> dict[str, torch.Tensor]:
+    """Per-request trees' masks Bool [B, N, N], depths and retrieve links Long [B, N];
+    padding nodes attend only to themselves (depth 0) and are linked to nothing."""
+    real = torch.arange(trees.parents.shape[1]) < trees.num_nodes.cpu()[:, None]
+    parents = torch.where(real, trees.parents.cpu(), -1)
+    _, next_token, next_sibling = sglang_layout(parents, trees.num_nodes.cpu())
+    return {"mask": ancestor_mask(parents), "depth": tree_depths(parents), "next_token": next_token,
+            "next_sibling": next_sibling}
+
+
+ROOT_ONLY = tree_layout(DraftTree(torch.zeros(1, dtype=torch.long), torch.tensor([-1])))
+
+
+class TreeVerifyWorker(BaseSpecWorker):
+    """Built by SGLang's scheduler as `Worker(server_args=, gpu_id=, nccl_port=,
+    target_worker=)`; drives the target worker, owns no model runner of its own.
+
+    Subclasses set `num_nodes` (the largest tree, root included), `method` ("rejection"
+    or "typical" for sampled requests) and the hidden states their drafter reads:
+    `prefill_capture` / `verify_capture` (CaptureHiddenMode)."""
+
+    prefill_capture = CaptureHiddenMode.NULL
+    verify_capture = CaptureHiddenMode.NULL
+    method = "rejection"
+    typical_epsilon = sampling.TYPICAL_EPSILON
+    typical_delta = sampling.TYPICAL_DELTA
+
+    def __init__(self, server_args, target_worker, num_nodes: int):
+        super().__init__()
+        self.server_args = server_args
+        self._target_worker = target_worker
+        self._draft_worker = None
+        self.model_runner = target_worker.model_runner
+        self.device = self.model_runner.device
+        self.num_nodes = num_nodes
+        self.stats = AcceptanceStats()  # this worker's verify steps, all requests
+        self.generator = torch.Generator(device="cpu").manual_seed(int(server_args.random_seed or 0))
+
+    @property
+    def draft_worker(self):
+        return None
+
+    # ------------------------------------------------------------------ drafter hooks
+
+    def _draft(self, batch) -> tuple[TreeBatch, dict]:
+        """(the step's trees, candidates [B, n] with the roots in column 0, and their
+        layout: tree_layout / batch_layout)."""
+        raise NotImplementedError
+
+    def _prefilled(self, batch, result) -> None:
+        """A prefill (extend) batch ran; result.logits_output holds `prefill_capture`."""
+
+    def _commit(self, batch, tree: TreeBatch, verdict: sampling.VerifyResult, hidden) -> None:
+        """A verify step was accepted; hidden = `verify_capture` of every node or None."""
+
+    def _verified(self, tree: TreeBatch, verdict: sampling.VerifyResult | None, seconds: float) -> None:
+        """Timing (seconds of the verify forward) and result of a step, for adaptive drafting."""
+
+    # ------------------------------------------------------------------ one scheduler step
+
+    @torch.no_grad()
+    def forward_batch_generation(self, batch, on_publish=None, pp_proxy_tensors=None):
+        if batch.forward_mode.is_decode():
+            return self._decode_step(batch, on_publish, pp_proxy_tensors)
+        return self._extend_step(batch, on_publish, pp_proxy_tensors)
+
+    def _extend_step(self, batch, on_publish, pp_proxy_tensors):
+        """Plain target forward (prefill / idle); the drafter sees it through _prefilled."""
+        result = self.target_worker.forward_batch_generation(
+            batch, pp_proxy_tensors=pp_proxy_tensors, capture_hidden_mode=self.prefill_capture)
+        bs = len(batch.reqs)
+        if bs:
+            self._prefilled(batch, result)
+            result.logits_output.hidden_states = None
+        accept_tokens = torch.zeros(bs, self.num_nodes, dtype=torch.int32, device=self.device)
+        if bs:
+            accept_tokens[:, 0] = result.next_token_ids
+        accept_lens = torch.ones(bs, dtype=torch.int32, device=self.device)
+        new_seq_lens = batch.seq_lens.clone()
+        if on_publish is not None:
+            on_publish(new_seq_lens)
+        return self._result(result, result.next_token_ids, accept_tokens.flatten(), accept_lens, new_seq_lens)
+
+    def _decode_step(self, batch, on_publish, pp_proxy_tensors):
+        if batch.has_grammar:
+            raise NotImplementedError("specplug's SGLang workers do not support structured output (grammar) "
+                                      "requests yet")
+        tree, layout = self._draft(batch)
+        self._prepare_verify(batch, tree, layout)
+        started = time.perf_counter()
+        result = self.target_worker.forward_batch_generation(
+            batch, pp_proxy_tensors=pp_proxy_tensors, is_verify=True, capture_hidden_mode=self.verify_capture)
+        seconds = self._elapsed(started)
+        logits_output = result.logits_output
+        verdict = self._accept(batch, tree, logits_output.next_token_logits)
+        self._verified(tree, verdict, seconds)
+        accept_index, predict, accept_tokens = self._sglang_outputs(tree, verdict)
+        accept_lens = (verdict.num_accepted + 1).to(torch.int32)
+        move_accept_tokens_to_target_kvcache(batch, accept_index, verdict.num_accepted.to(torch.int32),
+                                             self.token_to_kv_pool_allocator)
+        if batch.return_logprob:
+            from sglang.srt.layers.logprob_processor import compute_spec_logprobs
+
+            compute_spec_logprobs(batch, logits_output, predict, accept_index=accept_index)
+        self._commit(batch, tree, verdict, logits_output.hidden_states)
+        logits_output.hidden_states = None
+        new_seq_lens = batch.seq_lens + accept_lens
+        if on_publish is not None:
+            on_publish(new_seq_lens)
+        batch.forward_mode = ForwardMode.DECODE
+        accept_tokens = self._full_width(accept_tokens)
+        return self._result(result, accept_tokens.flatten(), accept_tokens.flatten(), accept_lens, new_seq_lens)
+
+    def _elapsed(self, started: float) -> float:
+        """Seconds since `started`, after the device has finished its queued work."""
+        if str(self.device).startswith("cuda"):
+            torch.cuda.synchronize()
+        return time.perf_counter() - started
+
+    def _full_width(self, accept_tokens: torch.Tensor) -> torch.Tensor:
+        """[B, n] -> [B, num_nodes]: SGLang reads accepted tokens with the full tree's stride."""
+        bs, n = accept_tokens.shape
+        if n == self.num_nodes:
+            return accept_tokens
+        padded = accept_tokens.new_zeros(bs, self.num_nodes)
+        padded[:, :n] = accept_tokens
+        return padded
+
+    def _result(self, target_result, next_token_ids, accept_tokens, accept_lens, new_seq_lens):
+        next_draft_input = NgramVerifyInput(draft_token_num=self.num_nodes, new_seq_lens=new_seq_lens,
+                                            accept_tokens=accept_tokens, accept_lens=accept_lens)
+        return GenerationBatchResult(
+            logits_output=target_result.logits_output, next_token_ids=next_token_ids,
+            can_run_cuda_graph=target_result.can_run_cuda_graph, accept_lens=accept_lens,
+            new_seq_lens=new_seq_lens, next_draft_input=next_draft_input,
+            speculative_num_draft_tokens=self.num_nodes)
+
+    # ------------------------------------------------------------------ verify, accept, commit
+
+    def _prepare_verify(self, batch, tree: TreeBatch, layout: dict) -> None:
+        """Turn the decode batch into a TARGET_VERIFY batch over the B*n tree nodes;
+        layout tensors are one tree's ([n, n], [n]) or per request ([B, n, n], [B, n])."""
+        bs, n = tree.candidates.shape
+        seq_lens = batch.seq_lens
+        depth = layout["depth"].to(self.device).expand(bs, n)
+        positions = (seq_lens[:, None].long() + depth).flatten()  # [B*n]
+        retrieve_index = torch.arange(bs * n, device=self.device).view(bs, n)
+        batch.forward_mode = ForwardMode.TARGET_VERIFY
+        batch.input_ids = tree.candidates.to(self.device).flatten()
+        batch.out_cache_loc = assign_extend_cache_locs_func(
+            req_pool_indices=batch.req_pool_indices, req_to_token=batch.req_to_token_pool.req_to_token,
+            start_offset=seq_lens, end_offset=seq_lens + n, batch_size=bs, draft_token_num=n,
+            device=self.device)
+        batch.spec_info = NgramVerifyInput(
+            draft_token=batch.input_ids, custom_mask=layout["mask"].to(self.device).expand(bs, n, n).flatten(),
+            positions=positions, retrieve_index=retrieve_index,
+            retrieve_next_token=layout["next_token"].to(self.device).expand(bs, n).contiguous(),
+            retrieve_next_sibling=layout["next_sibling"].to(self.device).expand(bs, n).contiguous(),
+            draft_token_num=n)
+
+    def _accept(self, batch, tree: TreeBatch, logits: torch.Tensor) -> sampling.VerifyResult:
+        """specplug.common.sampling.verify on the target's logits [B*n, V]."""
+        bs, n = tree.candidates.shape
+        info = batch.sampling_info
+        logits = _apply_penalties(logits, info, n)
+        parents, num_nodes = _root_only(tree.parents, tree.num_nodes, _path_dependent(batch))
+        if info.is_all_greedy:
+            verdict = sampling.verify(tree.candidates, parents, logits.view(bs, n, -1), method="greedy",
+                                      num_nodes=num_nodes)
+        else:
+            min_p = info.min_ps.view(-1).repeat_interleave(n) if info.need_min_p_sampling else 0.0
+            p = sampling.process_logits(
+                logits, temperature=info.temperatures.view(-1).repeat_interleave(n),
+                top_k=info.top_ks.view(-1).repeat_interleave(n), top_p=info.top_ps.view(-1).repeat_interleave(n),
+                min_p=min_p, order="sglang")  # SGLang's own filters, in its order
+            verdict = sampling.verify(
+                tree.candidates, parents, p.view(bs, n, -1), method=self.method, num_nodes=num_nodes,
+                generators=[self.generator] * bs, typical_epsilon=self.typical_epsilon,
+                typical_delta=self.typical_delta)
+        self.stats.update(verdict.num_accepted, (num_nodes - 1).clamp(min=0))
+        if self.stats.num_steps % 1000 < bs:
+            logger.debug("specplug SGLang acceptance so far: %s", self.stats.as_dict())
+        return verdict
+
+    def _sglang_outputs(self, tree: TreeBatch, verdict: sampling.VerifyResult):
+        """(accept_index Int [B, n] flat node rows -1 padded, predict Int [B*n] the token
+        emitted after each accepted node, accept_tokens Int [B, n] the emitted tokens)."""
+        bs, n = tree.candidates.shape
+        path = verdict.accepted_nodes.to(self.device)  # [B, D+1], -1 padded
+        width = path.shape[1]
+        on_path = path >= 0
+        rows = torch.arange(bs, device=self.device)[:, None] * n
+        accept_index = torch.full((bs, n), -1, dtype=torch.int32, device=self.device)
+        accept_index[:, :width] = torch.where(on_path, rows + path, -1).to(torch.int32)
+        # token after path[j]: the token AT path[j + 1]; after the last accepted, the bonus
+        emitted = verdict.output_tokens(tree.candidates.to(verdict.accepted_nodes.device))  # [B, D+1], -1 padded
+        emitted = torch.where(on_path, emitted.to(self.device), 0)
+        accept_tokens = torch.zeros(bs, n, dtype=torch.int32, device=self.device)
+        accept_tokens[:, :width] = emitted.to(torch.int32)
+        predict = torch.zeros(bs * n, dtype=torch.int32, device=self.device)
+        kept = accept_index >= 0
+        predict[accept_index[kept].long()] = accept_tokens[kept]
+        return accept_index, predict, accept_tokens
+
+
+def root_only_batch(roots: torch.Tensor) -> TreeBatch:
+    """Every request verifies its root alone (n = 1): an ordinary decode step."""
+    bs = roots.shape[0]
+    return TreeBatch(roots[:, None], torch.full((bs, 1), -1, dtype=torch.long), torch.ones(bs, dtype=torch.long))
+
+
+def _path_dependent(batch) -> torch.Tensor:
+    """Bool [B]: requests with presence / frequency / repetition penalties. SGLang keeps
+    them as one accumulated row per request (committed tokens only), which is right for
+    the root's row and wrong after drafted tokens, so these verify their root alone."""
+    return torch.tensor([
+        p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 or p.repetition_penalty != 1.0
+        for p in (req.sampling_params for req in batch.reqs)
+    ], dtype=torch.bool)
+
+
+def _root_only(parents: torch.Tensor, num_nodes: torch.Tensor, rows: torch.Tensor):
+    """parents Long [B, n] with the `rows` requests cut to their root; (parents, num_nodes
+    Long [B]). The target still scored every node; the cut requests emit one token,
+    sampled from their root's row."""
+    num_nodes = num_nodes.cpu()
+    if not bool(rows.any()):
+        return parents, num_nodes
+    rows = rows.to(parents.device)
+    cut = rows[:, None] & (torch.arange(parents.shape[1], device=parents.device) > 0)
+    return torch.where(cut, -1, parents), torch.where(rows, 1, num_nodes)
+
+
+def _apply_penalties(logits: torch.Tensor, info, n: int) -> torch.Tensor:
+    """SGLang's per-request penalties and logit bias, repeated over each request's n nodes."""
+    if info.acc_additive_penalties is not None:
+        logits = logits + info.acc_additive_penalties.repeat_interleave(n, dim=0)
+    if info.acc_scaling_penalties is not None:
+        from sglang.srt.sampling.penaltylib.repetition_penalty import apply_scaling_penalties
+
+        logits = logits.clone()
+        apply_scaling_penalties(logits, info.acc_scaling_penalties.repeat_interleave(n, dim=0))
+    if info.logit_bias is not None:
+        logits = logits + info.logit_bias.repeat_interleave(n, dim=0)
+    return logits
