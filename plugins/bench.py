@@ -205,7 +205,8 @@ def _meta(args: argparse.Namespace, batch_sizes: list[int]) -> dict:
             "model": args.model or "test bed SmolLM2-135M-Instruct", "head": args.head,
             "prompts": args.prompts, "num_prompts": args.num_prompts,
             "max_new_tokens": args.max_new_tokens, "batch_sizes": batch_sizes,
-            "temperature": args.temperature, "seed": args.seed, "adaptive": args.adaptive}
+            "temperature": args.temperature, "seed": args.seed, "adaptive": args.adaptive,
+            "environment": {k: v for k, v in sorted(os.environ.items()) if k.startswith("SPECPLUG_")}}
 
 
 def _fmt(x, spec: str) -> str:
@@ -215,7 +216,8 @@ def _fmt(x, spec: str) -> str:
 def markdown(report: dict) -> str:
     m = report["meta"]
     lines = [f"machine: {m['machine']} ({m['device']}); model: {m['model']}; prompts: {m['prompts']} "
-             f"x{m['num_prompts']}, {m['max_new_tokens']} new tokens; T={m['temperature']}; seed {m['seed']}",
+             f"x{m['num_prompts']}, {m['max_new_tokens']} new tokens; T={m['temperature']}; seed {m['seed']}"
+             + "".join(f"; {k}={v}" for k, v in m.get("environment", {}).items()),
              "", "| engine | batch | method | tok/s | speed-up | tau | accepted by position | draft / verify time "
              "| same as none |", "|---|---|---|---|---|---|---|---|---|"]
     for r in report["results"]:

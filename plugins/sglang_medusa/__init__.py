@@ -5,7 +5,9 @@
 - registers the speculative algorithms "MEDUSA" (Medusa heads; worker.py) and
   "RETRIEVAL" (specplug's model-free retrieval drafter; retrieval_worker.py), both
   verified by tree_worker.py (spec.py registers them),
-- refuses structured-output requests on their servers with a 400 (admission.py).
+- refuses structured-output requests on their servers with a 400 (admission.py),
+- opt-in (SPECPLUG_SGLANG_CPU_LINEAR=onednn): fp32 CPU linears through oneDNN with packed
+  weights, in every SGLang process (cpu_linear.py).
 SGLang is imported only inside register(), so `import specplug` works without it.
 """
 
@@ -20,7 +22,7 @@ def register() -> None:
     """Entry point run by SGLang's load_plugins() in every process; imports SGLang lazily."""
     from importlib.metadata import version
 
-    from specplug.sglang_medusa import admission, spec, tree_attention
+    from specplug.sglang_medusa import admission, cpu_linear, spec, tree_attention
 
     installed = version("sglang")
     if installed != SUPPORTED_SGLANG:
@@ -28,6 +30,7 @@ def register() -> None:
                        "may differ", SUPPORTED_SGLANG, installed)
     tree_attention.install()
     admission.install()
+    cpu_linear.install()  # opt-in: SPECPLUG_SGLANG_CPU_LINEAR=onednn
     spec.register_medusa()
     spec.register_retrieval()
     logger.info("specplug: registered speculative algorithms MEDUSA and RETRIEVAL and torch_native tree verification "
