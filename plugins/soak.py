@@ -2,7 +2,7 @@
 
 For each configuration one server (vLLM's `specplug serve` with an EAGLE-3 head whose
 `specplug` section selects stage chain / tree / adaptive, or SGLang's launch_server
-with `--speculative-algorithm MEDUSA`) is driven by N client threads for a bounded
+with `--speculative-algorithm MEDUSA` or `RETRIEVAL`) is driven by N client threads for a bounded
 time with a mix of OpenAI requests (see MIX), while a small KV cache forces
 preemption and long prompts cross chunked prefill. A server with the same arguments
 and no speculation answers a fixed greedy set first; the checks (CHECKS) are then
@@ -282,8 +282,9 @@ def server_command(args, port: int, config: str | None) -> tuple[list[str], dict
            "--disable-cuda-graph", "--mem-fraction-static", "0.5", "--max-total-tokens", str(args.max_total_tokens),
            "--chunked-prefill-size", str(args.max_num_batched_tokens), "--context-length", str(args.max_model_len),
            "--random-seed", "0", "--log-level", "warning"]
-    return cmd + (["--speculative-algorithm", "MEDUSA", "--speculative-draft-model-path", args.head]
-                  if config else []), env
+    spec = {"medusa": ["--speculative-algorithm", "MEDUSA", "--speculative-draft-model-path", args.head],
+            "retrieval": ["--speculative-algorithm", "RETRIEVAL"]}
+    return cmd + spec.get(config, []), env
 
 
 def vllm_spec(head: str, config: str) -> dict:
@@ -394,7 +395,7 @@ def table(results: list[dict], args) -> str:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--engine", choices=["vllm", "sglang"], default="vllm", help="server to soak")
     parser.add_argument("--configs", default=None, help="comma-separated: chain,tree,adaptive for vllm "
-                        "(stage chain K=depth / stage tree K=budget / adaptive), medusa for sglang; "
+                        "(stage chain K=depth / stage tree K=budget / adaptive), medusa,retrieval for sglang; "
                         "none = the same load on the server without speculation (a control); "
                         "None = all of the engine's except none")
     parser.add_argument("--model", default=None, help="target model folder; None = the test-bed target")
@@ -426,8 +427,8 @@ def defaults(args) -> None:
     args.model = str(args.model or testbed.target_dir())
     name = "smollm2-eagle3" if args.engine == "vllm" else "smollm2-medusa"
     args.head = str(args.head or testbed.head_dir(name))
-    args.configs = (args.configs or ("chain,tree,adaptive" if args.engine == "vllm" else "medusa")).split(",")
-    allowed = {"vllm": {"none", "chain", "tree", "adaptive"}, "sglang": {"none", "medusa"}}[args.engine]
+    args.configs = (args.configs or ("chain,tree,adaptive" if args.engine == "vllm" else "medusa,retrieval")).split(",")
+    allowed = {"vllm": {"none", "chain", "tree", "adaptive"}, "sglang": {"none", "medusa", "retrieval"}}[args.engine]
     if not set(args.configs) <= allowed:
         raise ValueError(f"--configs {','.join(args.configs)} is not valid for --engine {args.engine}: "
                          f"choose from {','.join(sorted(allowed))}")
