@@ -48,7 +48,7 @@ def _eligible(layer, x: torch.Tensor) -> bool:
     weight = getattr(layer, "weight", None)
     return (isinstance(weight, torch.Tensor) and weight.dim() == 2 and x.device.type == "cpu"
             and weight.device.type == "cpu" and x.dtype == torch.float32 and weight.dtype == torch.float32
-            and not getattr(layer, "use_intel_amx_backend", False) and torch.backends.mkldnn.is_available())
+            and not getattr(layer, "use_intel_amx_backend", False))
 
 
 def packed_linear(layer, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -86,6 +86,9 @@ def lm_head_logits(original, processor, hidden_states, lm_head, embedding_bias=N
 def install(environ=os.environ) -> bool:
     """Register both hooks when SPECPLUG_SGLANG_CPU_LINEAR=onednn; True when installed."""
     if not enabled(environ):
+        return False
+    if not torch.backends.mkldnn.is_available():
+        logger.warning("specplug: %s=onednn ignored: this torch build has no oneDNN (mkldnn)", ENV)
         return False
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 

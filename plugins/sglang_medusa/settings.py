@@ -130,8 +130,7 @@ def _tree_config(cfg, section: dict, num_heads: int, shape: str) -> TreeConfig:
         budget = depth
     for arg, value in (("--speculative-num-steps", depth), ("--speculative-eagle-topk", topk),
                        ("--speculative-num-draft-tokens minus one", budget)):
-        if not isinstance(value, int) or value < 1:
-            _fail(arg, "an int >= 1", value, "pass a positive value or leave it unset")
+        _positive(arg, value)
     if depth > num_heads:
         _fail("--speculative-num-steps", f"at most the number of Medusa heads ({num_heads})", depth,
               f"pass --speculative-num-steps {num_heads} or fewer, or train more heads")
@@ -212,17 +211,18 @@ def retrieval_settings_from_server_args(cfg, environ=None) -> RetrievalSettings:
     config, datastore = retrieval_settings({"retrieval": {**SGLANG_RETRIEVAL, **given}}, {})
     fields = {}
     if cfg.speculative_num_draft_tokens is not None:
-        fields["budget"] = _positive("--speculative-num-draft-tokens minus one", cfg.speculative_num_draft_tokens - 1)
+        fields["budget"] = _positive("--speculative-num-draft-tokens minus one", cfg.speculative_num_draft_tokens - 1,
+                                     "RETRIEVAL")
     if cfg.speculative_num_steps is not None:
-        fields["max_depth"] = _positive("--speculative-num-steps", cfg.speculative_num_steps)
+        fields["max_depth"] = _positive("--speculative-num-steps", cfg.speculative_num_steps, "RETRIEVAL")
     if datastore is not None and not Path(datastore).is_file():
         _fail(f"{ENV_RETRIEVAL} \"datastore\"", "a datastore file", datastore,
               "build one with `specplug datastore build` or drop the field", "RETRIEVAL")
     return RetrievalSettings(replace(config, **fields), datastore)
 
 
-def _positive(arg: str, value) -> int:
+def _positive(arg: str, value, algorithm: str = "MEDUSA") -> int:
     if not isinstance(value, int) or value < 1:
-        _fail(arg, "an int >= 1", value, "pass a positive value or leave it unset", "RETRIEVAL")
+        _fail(arg, "an int >= 1", value, "pass a positive value or leave it unset", algorithm)
     return value
 

@@ -46,11 +46,13 @@ except ImportError as exc:  # pragma: no cover - import-time guard for engine-fr
     raise ImportError("specplug.sglang_medusa needs SGLang 0.5.23: pip install 'specplug[sglang]'") from exc
 
 
-def tree_layout(tree: DraftTree) -> dict[str, torch.Tensor]:
-    """One static tree's mask Bool [N, N], depths Long [N] and SGLang retrieve links [N]."""
+def tree_layout(tree: DraftTree, device="cpu") -> dict[str, torch.Tensor]:
+    """One static tree's mask Bool [N, N], depths Long [N] and SGLang retrieve links [N],
+    on `device` (a worker caches the layouts of its static trees there)."""
     _, next_token, next_sibling = tree.sglang_layout()
-    return {"mask": tree.attention_mask(), "depth": tree.depth, "next_token": next_token,
-            "next_sibling": next_sibling}
+    layout = {"mask": tree.attention_mask(), "depth": tree.depth, "next_token": next_token,
+              "next_sibling": next_sibling}
+    return {name: t.to(device) for name, t in layout.items()}
 
 
 def batch_layout(trees: TreeBatch) -> dict[str, torch.Tensor]:
@@ -71,14 +73,16 @@ class TreeVerifyWorker(BaseSpecWorker):
     target_worker=)`; drives the target worker, owns no model runner of its own.
 
     Subclasses set `num_nodes` (the largest tree, root included), `method` ("rejection"
-    or "typical" for sampled requests) and the hidden states their drafter reads:
-    `prefill_capture` / `verify_capture` (CaptureHiddenMode)."""
+    or "typical" for sampled requests), the hidden states their drafter reads
+    (`prefill_capture` / `verify_capture`, CaptureHiddenMode) and whether `_verified`
+    needs the verify pass's time (`times_verify`: on a GPU timing synchronises)."""
 
     prefill_capture = CaptureHiddenMode.NULL
     verify_capture = CaptureHiddenMode.NULL
     method = "rejection"
     typical_epsilon = sampling.TYPICAL_EPSILON
     typical_delta = sampling.TYPICAL_DELTA
+    times_verify = False
 
     def __init__(self, server_args, target_worker, num_nodes: int):
         super().__init__()
@@ -108,8 +112,9 @@ class TreeVerifyWorker(BaseSpecWorker):
     def _commit(self, batch, tree: TreeBatch, verdict: sampling.VerifyResult, hidden) -> None:
         """A verify step was accepted; hidden = `verify_capture` of every node or None."""
 
-    def _verified(self, tree: TreeBatch, verdict: sampling.VerifyResult | None, seconds: float) -> None:
-        """Timing (seconds of the verify forward) and result of a step, for adaptive drafting."""
+    def _verified(self, tree: TreeBatch, verdict: sampling.VerifyResult, seconds: float | None) -> None:
+        """Result of a step and the seconds of its verify forward (None unless
+        `times_verify`), for adaptive drafting."""
 
     # ------------------------------------------------------------------ one scheduler step
 
@@ -145,7 +150,7 @@ class TreeVerifyWorker(BaseSpecWorker):
         started = time.perf_counter()
         result = self.target_worker.forward_batch_generation(
             batch, pp_proxy_tensors=pp_proxy_tensors, is_verify=True, capture_hidden_mode=self.verify_capture)
-        seconds = self._elapsed(started)
+        seconds = self._elapsed(started) if self.times_verify else None
         logits_output = result.logits_output
         verdict = self._accept(batch, tree, logits_output.next_token_logits)
         self._verified(tree, verdict, seconds)

@@ -55,7 +55,7 @@ class MedusaWorker(TreeVerifyWorker):
             raise ValueError(
                 f"MEDUSA tree has {self.template.num_nodes} nodes but speculative_num_draft_tokens is "
                 f"{self.num_nodes}: leave --speculative-num-draft-tokens unset or give the tree's node count")
-        self._layout = tree_layout(self.template)
+        self._layout = tree_layout(self.template, self.device)
         self.adaptive: AdaptiveController | None = None
         self._option = None  # the adaptive option of the step in flight
         self._budgets: dict = {}  # SpecOption -> (TreeConfig, layout)
@@ -80,8 +80,9 @@ class MedusaWorker(TreeVerifyWorker):
             accuracies = prior_accuracies(self.drafter.heads.num_heads, self.settings.tree.topk)
         for config in budget_configs(self.settings):
             template = self.drafter.template(config)
-            self._budgets[tree_option(template, accuracies)] = (config, tree_layout(template))
+            self._budgets[tree_option(template, accuracies)] = (config, tree_layout(template, self.device))
         self.adaptive = AdaptiveController(list(self._budgets))
+        self.times_verify = True
         self.adaptive.costs_override = pinned_costs(os.environ)
         logger.info("MEDUSA adaptive speculation on: each step verifies one of the trees with %s draft nodes, "
                     "or none, as specplug.common.adaptive chooses from costs measured in this engine%s",
