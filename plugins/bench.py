@@ -78,6 +78,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="target model folder (default: the test bed's SmolLM2-135M-Instruct)")
     parser.add_argument("--head", default=None,
                         help="draft head folder (default: the committed test-bed head for the engine's method)")
+    parser.add_argument("--draft-model", default=None,
+                        help="a draft model folder (a small causal LM with the target's tokenizer, e.g. from "
+                             "`specplug draft-model cut`): adds the methods draft-model (SGLang: specplug's "
+                             "DRAFT_MODEL), draft_model (vLLM's built-in) and specplug-draft-model (vLLM: the head's "
+                             "tree merged with the draft model's)")
     parser.add_argument("--prompts", default="mtbench",
                         help="prompt set: mtbench, humaneval or sharegpt; 'mtbench:coding' picks a category")
     parser.add_argument("--num-prompts", type=int, default=8, help="prompts per batch-size run (at least the batch size is used)")

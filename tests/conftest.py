@@ -1,8 +1,16 @@
 """Shared pytest fixtures: tiny models built once per machine and cached."""
 
+import sys
+from pathlib import Path
+
 import pytest
 
 from tests.support.tiny_llama import tiny_llama_dir
+
+# A third-party token drafter plugin ("lookup", entry-point group "specplug"), visible to
+# every process the suites start (spawned engine processes inherit sys.path).
+DRAFTER_PLUGIN = Path(__file__).parent / "support" / "drafter_plugin"
+sys.path.insert(0, str(DRAFTER_PLUGIN))
 
 
 @pytest.fixture(scope="session")

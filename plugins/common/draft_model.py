@@ -14,6 +14,8 @@ drafts either EAGLE-2 dynamic top-k trees (deterministic: verify with the target
 rule, or greedily) or trees sampled i.i.d. from q at a draft temperature
 (specplug.common.tree.sampled: verify with ``method="rejection"`` and the returned
 ``draft_probs``; lossless at any temperature, since acceptance uses q).
+:class:`DraftModelTokenDrafter` runs a draft model in the engines (a registered token
+drafter, "draft_model").
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from torch import nn
 from . import tree as tree_lib
 from .drafters import SampledDrafts
 from .reference import additive_mask
+from .token_drafters import TokenDrafterBase
 from .tree import TreeBatch, TreeConfig
 
 logger = logging.getLogger(__name__)
@@ -243,3 +246,86 @@ class _Expander:
         out = self.model(frontier.tokens, past_key_values=self.state.cache, use_cache=True,
                          position_ids=positions, attention_mask=additive_mask(allowed, self.dtype))
         return out.logits.float().log_softmax(-1)
+
+
+# --------------------------------------------------------------------------- in the engines
+
+
+class DraftModelTokenDrafter(TokenDrafterBase):
+    """A draft model as a token drafter (specplug.common.token_drafters, registered as
+    "draft_model"): vLLM merges its trees with the head's, SGLang runs it alone
+    (--speculative-algorithm DRAFT_MODEL). The base keeps each request's committed
+    tokens; before drafting, the draft model's cache is brought to them (cropped to the
+    common prefix, the rest run causally), so rollback and preemption cost nothing until
+    the next draft. Without `temperature`: deterministic top-k trees, verified with the
+    target-only rule. With it: `topk` chains of `max_depth` sampled from q = softmax(draft
+    logits / temperature), TreeBatch.draft_probs = q (SGLang verifies with q; vLLM's merge
+    with the head keeps the tokens and verifies with the target-only rule, also lossless),
+    `seed` seeding each request's draws."""
+
+    def __init__(self, model: str, budget: int = 8, max_depth: int = 4, topk: int = 4, dtype: str = "float32",
+                 temperature: float | None = None, seed: int | None = None):
+        super().__init__(budget, max_depth)
+        self.path, self.topk, self.dtype = model, topk, dtype
+        self.temperature, self.seed = temperature, seed
+        self.drafter: DraftModelDrafter | None = None  # built by from_settings
+        self.fed: dict[Hashable, list[int]] = {}  # tokens in each request's draft cache
+
+    @classmethod
+    def check_settings(cls, settings) -> None:
+        super().check_settings(settings)
+        path = settings.get("model")
+        if not isinstance(path, str) or not (Path(path) / "config.json").is_file():
+            raise ValueError(f"draft_model \"model\" must be a Hugging Face model folder, got {path!r}: cut one "
+                             "with `specplug draft-model cut` or pass a small causal LM with the target's tokenizer")
+        if not isinstance(settings.get("topk", 4), int) or settings.get("topk", 4) < 1:
+            raise ValueError(f"draft_model \"topk\" must be an int >= 1, got {settings.get('topk')!r}")
+        SampledDrafts(settings.get("temperature"))  # > 0 or None, else a ValueError naming it
+
+    @classmethod
+    def from_settings(cls, settings, vocab_size: int) -> "DraftModelTokenDrafter":
+        from transformers import AutoModelForCausalLM
+
+        cls.check_settings(settings)
+        self = cls(**settings)
+        model = AutoModelForCausalLM.from_pretrained(self.path, dtype=getattr(torch, self.dtype))
+        if model.config.vocab_size != vocab_size:
+            raise ValueError(f"draft model {self.path} has vocab_size {model.config.vocab_size}, the target "
+                             f"{vocab_size}: a draft model must share the target's tokenizer")
+        self.drafter = DraftModelDrafter(model, temperature=self.temperature, seed=self.seed)
+        return self
+
+    def free(self, request_id: Hashable) -> None:
+        super().free(request_id)
+        self.fed.pop(request_id, None)
+        self.drafter.release([request_id])
+
+    @torch.no_grad()
+    def draft(self, request_ids, root_tokens=None, *, budget=None, max_depth=None, min_prob=None) -> TreeBatch:
+        """Each request's tree from the draft model (EAGLE-2 top-k, or sampled from q);
+        scores = the draft's path log-probs (its estimate of acceptance). min_prob is not used."""
+        tree = TreeConfig(depth=max_depth or self.max_depth, topk=self.topk, budget=budget or self.budget)
+        for rid in request_ids:
+            self._catch_up(rid)
+        return self.drafter.draft(list(request_ids), tree)
+
+    def _catch_up(self, rid) -> None:
+        """Bring the draft cache to the committed tokens: keep the common prefix (at least
+        one token is always run again, so the root's logits are fresh), run the rest."""
+        committed, fed = self.live[rid], self.fed.get(rid, [])
+        if fed == committed:
+            return
+        keep = 0
+        while keep < min(len(fed), len(committed) - 1) and fed[keep] == committed[keep]:
+            keep += 1
+        state = self.drafter.states.get(rid)
+        if state is None:
+            from transformers import DynamicCache
+
+            state = self.drafter.states[rid] = _DraftState(DynamicCache(config=self.drafter.cache_config), 0, -1,
+                                                           torch.empty(0))
+            self.drafter.sampled.start([rid], self.drafter.device)
+        _crop(state.cache, keep)
+        state.length = keep
+        self.drafter._extend(state, torch.tensor(committed[keep:], dtype=torch.long))
+        self.fed[rid] = list(committed)

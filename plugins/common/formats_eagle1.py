@@ -12,7 +12,7 @@ Layout (format "eagle1", also the canonical EAGLE-1 form): a Llama config.json w
   embed_tokens.weight [vocab, H]                   optional (the target's otherwise)
 
 No lm_head, no final norm: the draft logits are the TARGET's lm_head over the head's
-output. formats.py owns reading files and the generic checks; this module only knows
+output. specplug.common.formats owns reading files and the generic checks; this module only knows
 what is specific to EAGLE-1. (It reads formats' names only inside functions: the two
 modules import each other.)
 """
@@ -40,17 +40,17 @@ def parse(config: dict, tensors: dict) -> tuple[dict, dict, dict]:
 
 def expected(head: base.LoadedHead) -> tuple[dict, dict]:
     """(required, optional) tensor name -> shape implied by an EAGLE-1 config."""
-    config, where = head.config, base._where(head)
+    config, where = head.config, base.checks._where(head)
     if config.get("num_hidden_layers", 1) != 1:
         raise base.CheckpointError("num_hidden_layers", 1, config["num_hidden_layers"], where,
                                    "specplug's EAGLE-1 head has one decoder layer (layers.0); use a 1-layer head")
     _refuse_eagle3_names(head)
-    h = base._config_int(config, "hidden_size", where)
-    heads = base._config_int(config, "num_attention_heads", where)
-    kv = base._config_int(config, "num_key_value_heads", where, heads)
-    head_dim = base._config_int(config, "head_dim", where, h // heads)
-    inter = base._config_int(config, "intermediate_size", where)
-    vocab = base._config_int(config, "vocab_size", where)
+    h = base.checks._config_int(config, "hidden_size", where)
+    heads = base.checks._config_int(config, "num_attention_heads", where)
+    kv = base.checks._config_int(config, "num_key_value_heads", where, heads)
+    head_dim = base.checks._config_int(config, "head_dim", where, h // heads)
+    inter = base.checks._config_int(config, "intermediate_size", where)
+    vocab = base.checks._config_int(config, "vocab_size", where)
     required = {f"{LAYER}self_attn.q_proj.weight": (heads * head_dim, h),
                 f"{LAYER}self_attn.k_proj.weight": (kv * head_dim, h),
                 f"{LAYER}self_attn.v_proj.weight": (kv * head_dim, h),
@@ -76,7 +76,7 @@ def _refuse_eagle3_names(head: base.LoadedHead) -> None:
     if found:
         raise base.CheckpointError(
             f"tensor {found[0]}", "absent: EAGLE-1's layer 0 reads fc's output with no input norm",
-            "present (an EAGLE-3 layer name)", base._where(head, found[0]),
+            "present (an EAGLE-3 layer name)", base.checks._where(head, found[0]),
             "an EAGLE-3 head in speculators layout needs its speculators config.json "
             "(speculators_model_type) next to the weights; other EAGLE-1 variants are not supported")
 
@@ -87,7 +87,7 @@ def _check_fc(head: base.LoadedHead, h: int) -> None:
     if fc is not None and tuple(fc.shape) != (h, 2 * h):
         raise base.CheckpointError(
             "tensor fc.weight shape", f"[{h}, {2 * h}] (EAGLE-1 fuses [embedding ; feature] of hidden_size {h})",
-            list(fc.shape), base._where(head, "fc.weight"),
+            list(fc.shape), base.checks._where(head, "fc.weight"),
             "use the config.json the head was trained with; an fc over 3 hidden states is an EAGLE-3 head")
 
 

@@ -62,13 +62,12 @@ class SpecplugHooks:
 
     @hookspec
     def specplug_drafters(self) -> dict[str, Callable]:
-        """Drafter factories: ``factory(**kwargs) -> drafter``.
-
-        A tree drafter offers ``expand(frontier: specplug.common.tree.Frontier) ->
-        Float [B, F, V]`` (draft log-probs) for :func:`specplug.common.tree.dynamic`;
-        a static drafter returns per-head top-k tokens for
-        :func:`specplug.common.tree.fill_static`.
-        """
+        """Token drafters: name -> a class speaking specplug.common.token_drafters.TokenDrafter
+        (``from_settings(settings, vocab_size)``, ``check_settings``, per-request state,
+        ``draft`` -> TreeBatch). Both engines build them by name: vLLM merges their trees
+        with the EAGLE-3 head's (section "drafter" / SPECPLUG_DRAFTER), SGLang runs each
+        as ``--speculative-algorithm NAME`` (upper case). Subclass
+        ``TokenDrafterBase`` and write ``draft``."""
 
     @hookspec
     def specplug_tree_builders(self) -> dict[str, Callable]:
@@ -85,9 +84,10 @@ class _Builtins:
 
     @hookimpl
     def specplug_drafters(self) -> dict[str, Callable]:
+        from specplug.common.draft_model import DraftModelTokenDrafter
         from specplug.common.retrieval import RetrievalDrafter
 
-        return {"retrieval": RetrievalDrafter}
+        return {"retrieval": RetrievalDrafter, "draft_model": DraftModelTokenDrafter}
 
     @hookimpl
     def specplug_tree_builders(self) -> dict[str, Callable]:

@@ -8,8 +8,12 @@ speculation, so verifying a tree (or chain) with processed rows emits what plain
 decoding would (greedy), or samples its distribution (T > 0). The root token is the
 last committed token; it is already part of `output_tokens` and not counted again.
 
-Order, as vLLM's sampler without speculation (vllm/v1/sample/sampler.py): allowed ids,
-bad words, logit bias, min-tokens, then repetition / frequency / presence penalties.
+Order and arithmetic follow the engine's own sampler without speculation
+(`RequestRules.engine`): "vllm" (vllm/v1/sample/sampler.py): allowed ids, bad words,
+logit bias, min-tokens, then repetition (prompt or output seen; x * 1/p above 0) and
+frequency / presence penalties. "sglang" (sglang/srt/sampling/penaltylib): min-new-tokens
+and frequency / presence as one additive row, then repetition (output seen only; x / p
+above 0), then logit bias; SGLang has no allowed ids or bad words.
 Temperature, min-p, top-k and top-p follow in specplug.common.sampling.process_logits.
 Rows are flattened request-major: request b owns num_nodes[b] consecutive rows.
 """
@@ -21,6 +25,8 @@ from dataclasses import dataclass, field
 import torch
 
 from specplug.common.tree import ancestor_mask, tree_depths
+
+ENGINES = ("vllm", "sglang")
 
 
 @dataclass(frozen=True)
@@ -35,6 +41,7 @@ class RequestRules:
     logit_bias: request index -> {token: bias}.
     min_tokens: request index -> (tokens still to emit before a stop token may come,
         stop token ids).
+    engine: whose sampler's order and arithmetic to follow, "vllm" or "sglang".
     """
 
     output_tokens: list[list[int]] = field(default_factory=list)
@@ -46,6 +53,11 @@ class RequestRules:
     bad_words: dict[int, list[list[int]]] = field(default_factory=dict)
     logit_bias: dict[int, dict[int, float]] = field(default_factory=dict)
     min_tokens: dict[int, tuple[int, set[int]]] = field(default_factory=dict)
+    engine: str = "vllm"
+
+    def __post_init__(self):
+        if self.engine not in ENGINES:
+            raise ValueError(f"RequestRules.engine must be one of {ENGINES}, got {self.engine!r}")
 
     @property
     def has_penalties(self) -> bool:
@@ -70,6 +82,8 @@ def apply_rules(logits: torch.Tensor, rules: RequestRules, candidates: torch.Ten
     if rules.allowed is not None:
         x.masked_fill_(~rules.allowed[request].to(x.device), float("-inf"))
     paths = _row_paths(candidates, parents, num_nodes) if _needs_paths(rules) else None
+    if rules.engine == "sglang":
+        return _sglang_order(x, rules, request, paths, parents, num_nodes)
     _ban_bad_words(x, rules, request, paths)
     _add_bias(x, rules, request)
     _hold_stop_tokens(x, rules, request, parents, num_nodes)
@@ -141,16 +155,43 @@ def _flat_depths(parents, num_nodes) -> torch.Tensor:
     return depth[real]
 
 
-def _penalize(x, rules, request, paths) -> torch.Tensor:
-    """Repetition (prompt or output seen), then frequency and presence (output seen),
-    the output being committed tokens + the row's drafted path."""
-    vocab = x.shape[-1]
-    counts = torch.zeros_like(x)  # [R, V]
+def _sglang_order(x, rules, request, paths, parents, num_nodes) -> torch.Tensor:
+    """SGLang's sampler: additive penalties (min-new-tokens, frequency, presence), then
+    repetition scaling, then logit bias."""
+    _hold_stop_tokens(x, rules, request, parents, num_nodes)
+    if rules.has_penalties:
+        counts = _counts(x, rules, request, paths)
+        seen = counts > 0
+        req = request.to(x.device)
+        additive = torch.zeros_like(x)
+        if rules.frequency is not None:
+            additive = additive - rules.frequency.to(x.device)[req, None] * counts
+        if rules.presence is not None:
+            additive = additive - rules.presence.to(x.device)[req, None] * seen
+        x = x + additive
+        if rules.repetition is not None:
+            penalty = torch.where(seen, rules.repetition.to(x.device)[req, None], 1.0)
+            x = torch.where(x < 0, x * penalty, x / penalty)
+    _add_bias(x, rules, request)
+    return x
+
+
+def _counts(x, rules, request, paths) -> torch.Tensor:
+    """Float [R, V]: each row's token counts over committed output + its drafted path."""
+    counts = torch.zeros_like(x)
     for r, b in enumerate(request.tolist()):
         seen = rules.output_tokens[b] + paths[r]
         if seen:
             counts[r].index_add_(0, torch.tensor(seen, device=x.device),
                                  torch.ones(len(seen), device=x.device))
+    return counts
+
+
+def _penalize(x, rules, request, paths) -> torch.Tensor:
+    """vLLM: repetition (prompt or output seen), then frequency and presence (output
+    seen), the output being committed tokens + the row's drafted path."""
+    vocab = x.shape[-1]
+    counts = _counts(x, rules, request, paths)
     output_mask = counts > 0
     req = request.to(x.device)
     if rules.repetition is not None:

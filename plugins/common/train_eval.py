@@ -44,7 +44,7 @@ class EvalConfig:
 
 
 def load_drafter(head_dir, target):
-    """The drafter for a head folder (any format formats.py reads), validated against the target."""
+    """The drafter for a head folder (any format specplug.common.formats reads), validated against the target."""
     from specplug.common import formats
     from specplug.common.drafters import Eagle3Drafter, MedusaDrafter
 

@@ -2,9 +2,10 @@
 
 `register()` runs in every SGLang process (SGLang's load_plugins()). It
 - installs tree verification for the torch_native attention backend (tree_attention.py),
-- registers the speculative algorithms "MEDUSA" (Medusa heads; worker.py) and
-  "RETRIEVAL" (specplug's model-free retrieval drafter; retrieval_worker.py), both
-  verified by tree_worker.py (spec.py registers them),
+- registers the speculative algorithms "MEDUSA" (Medusa heads; worker.py) and one per
+  registered token drafter (token_worker.py): "RETRIEVAL" (specplug's model-free
+  retrieval drafter) and any a plugin adds; all verified by tree_worker.py (spec.py
+  registers them),
 - refuses structured-output requests on their servers with a 400 (admission.py),
 - opt-in (SPECPLUG_SGLANG_CPU_LINEAR=onednn): fp32 CPU linears through oneDNN with packed
   weights, in every SGLang process (cpu_linear.py).
@@ -32,6 +33,6 @@ def register() -> None:
     admission.install()
     cpu_linear.install()  # opt-in: SPECPLUG_SGLANG_CPU_LINEAR=onednn
     spec.register_medusa()
-    spec.register_retrieval()
-    logger.info("specplug: registered speculative algorithms MEDUSA and RETRIEVAL and torch_native tree verification "
-                "(AROUND hook on %s)", tree_attention.TARGET)
+    tokens = spec.register_token_drafters()
+    logger.info("specplug: registered speculative algorithms MEDUSA, %s and torch_native tree verification "
+                "(AROUND hook on %s)", ", ".join(tokens), tree_attention.TARGET)

@@ -1,4 +1,4 @@
-"""Requests MEDUSA and RETRIEVAL cannot serve are refused when they arrive, with a 400 naming why.
+"""Requests specplug's SGLang algorithms (MEDUSA, RETRIEVAL, any token drafter) cannot serve are refused early.
 
 Their workers do not apply grammars (structured output) to their tree rows; such a
 request reaching a decode step would stop the scheduler and with it every request of
@@ -11,7 +11,6 @@ from __future__ import annotations
 
 TARGET = "sglang.srt.managers.tokenizer_manager.TokenizerManager._validate_one_request"
 STRUCTURED_KEYS = ("json_schema", "regex", "ebnf", "structural_tag")
-SPECPLUG_ALGORITHMS = ("MEDUSA", "RETRIEVAL")
 
 
 def structured_output_key(sampling_params) -> str | None:
@@ -24,9 +23,11 @@ def structured_output_key(sampling_params) -> str | None:
 
 
 def validate_one_request(original, manager, obj, *args, **kwargs):
-    """AROUND hook: MEDUSA and RETRIEVAL servers refuse structured-output requests; the rest as SGLang."""
+    """AROUND hook: specplug algorithms' servers refuse structured-output requests; the rest as SGLang."""
+    from specplug.sglang_medusa.spec import is_specplug_algorithm
+
     algorithm = getattr(manager.server_args, "speculative_algorithm", None)
-    if algorithm in SPECPLUG_ALGORITHMS:
+    if is_specplug_algorithm(algorithm):
         key = structured_output_key(getattr(obj, "sampling_params", None))
         if key is not None:
             raise ValueError(

@@ -4,6 +4,7 @@ fed in groups of `batch_size` requests that all generate exactly `max_new_tokens
 Methods: `none` (no speculation), `ngram` (SGLang's NGRAM; on CPU its trees are verified
 through specplug's torch_native hook), `retrieval` (specplug's RETRIEVAL: the model-free
 retrieval drafter, lossless), `medusa` (specplug MEDUSA, lossless),
+`draft-model` (specplug's DRAFT_MODEL with `--draft-model DIR`, lossless),
 `medusa-typical` (the same heads with typical acceptance, LOSSY) and `medusa-adaptive`
 (MEDUSA with adaptive speculation: `--speculative-adaptive`). With `--adaptive`, every
 MEDUSA method runs adaptive. Acceptance comes from SGLang's per-request meta_info
@@ -12,12 +13,31 @@ MEDUSA method runs adaptive. Acceptance comes from SGLang's per-request meta_inf
 
 from __future__ import annotations
 
+import contextlib
+import json
+import os
 import time
 
 from specplug.bench import RunResult
+from specplug.common.token_drafters import ENV_DRAFTER
 from specplug.sglang_medusa.metrics import acceptance_from_meta_info
 
 NGRAM_DRAFT_TOKENS = 8
+DRAFT_MODEL_TREE = {"speculative_num_draft_tokens": 5, "speculative_num_steps": 4}  # 4 nodes, depth <= 4
+
+
+@contextlib.contextmanager
+def _drafter_settings(fields: dict | None):
+    """SPECPLUG_DRAFTER = fields while an engine starts (its scheduler reads it), else unset."""
+    saved = os.environ.pop(ENV_DRAFTER, None)
+    if fields is not None:
+        os.environ[ENV_DRAFTER] = json.dumps(fields)
+    try:
+        yield
+    finally:
+        os.environ.pop(ENV_DRAFTER, None)
+        if saved is not None:
+            os.environ[ENV_DRAFTER] = saved
 TYPICAL = {"speculative_accept_threshold_single": 0.09, "speculative_accept_threshold_acc": 0.3}
 
 
@@ -28,7 +48,7 @@ def make_runner(args):
     return SglangRunner(model, args.head or default_head(), max_new_tokens=args.max_new_tokens,
                         temperature=args.temperature, seed=args.seed,
                         max_batch=max(int(b) for b in args.batch_sizes.split(",") if b),
-                        adaptive=getattr(args, "adaptive", False))
+                        adaptive=getattr(args, "adaptive", False), draft_model=getattr(args, "draft_model", None))
 
 
 def default_head() -> str | None:
@@ -57,19 +77,20 @@ class SglangRunner:
     engine = "sglang"
 
     def __init__(self, model: str, head: str | None, *, max_new_tokens: int, temperature: float,
-                 seed: int, max_batch: int, adaptive: bool = False):
+                 seed: int, max_batch: int, adaptive: bool = False, draft_model: str | None = None):
         import sglang
         from transformers import AutoTokenizer
 
         self.version = sglang.__version__
         self.model, self.head = model, head
         self.max_new_tokens, self.temperature, self.seed, self.max_batch = max_new_tokens, temperature, seed, max_batch
-        self.adaptive = adaptive
+        self.adaptive, self.draft_model = adaptive, draft_model
         self.tokenizer = AutoTokenizer.from_pretrained(model)
         self._method, self._engine = None, None
 
     def methods(self) -> list[str]:
-        return ["none", "ngram", "retrieval"] + (["medusa", "medusa-typical", "medusa-adaptive"] if self.head else [])
+        return (["none", "ngram", "retrieval"] + (["draft-model"] if self.draft_model else [])
+                + (["medusa", "medusa-typical", "medusa-adaptive"] if self.head else []))
 
     def speculative_args(self, method: str) -> dict:
         if method == "none":
@@ -78,6 +99,10 @@ class SglangRunner:
             return {"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": NGRAM_DRAFT_TOKENS}
         if method == "retrieval":
             return {"speculative_algorithm": "RETRIEVAL"}
+        if method == "draft-model":
+            if self.draft_model is None:
+                raise SystemExit("specplug bench: method 'draft-model' needs --draft-model DIR")
+            return {"speculative_algorithm": "DRAFT_MODEL", **DRAFT_MODEL_TREE}
         if self.head is None:
             raise SystemExit(f"specplug bench: method {method!r} needs --head (a Medusa heads folder)")
         medusa = {"speculative_algorithm": "MEDUSA", "speculative_draft_model_path": self.head}
@@ -94,8 +119,9 @@ class SglangRunner:
             self.close()
             import sglang
 
-            self._engine = sglang.Engine(**engine_args(self.model, self.seed, self.max_batch),
-                                         **self.speculative_args(method))
+            with _drafter_settings({"model": self.draft_model} if method == "draft-model" else None):
+                self._engine = sglang.Engine(**engine_args(self.model, self.seed, self.max_batch),
+                                             **self.speculative_args(method))
             self._method = method
             self._engine.generate(["warm up"], {"max_new_tokens": 8, "ignore_eos": True})
         return self._engine

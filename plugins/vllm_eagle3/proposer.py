@@ -36,8 +36,10 @@ from specplug.vllm_eagle3.settings import (
     check_num_speculative_tokens,
     specplug_section,
 )
+from specplug.common import token_drafters
 from specplug.common.merge import merge_trees
-from specplug.common.path_choice import best_chains, full_budget, pad_chains
+from specplug.common.path_choice import best_chains, full_budget
+from specplug.common.token_drafters import draft_or_roots
 from specplug.vllm_eagle3.tree_draft import Root, draft_trees
 
 logger = logging.getLogger(__name__)
@@ -137,8 +139,10 @@ class SpecplugEagleProposer(EagleProposer):
             logger.info("specplug adaptive speculation on: each step drafts 0..%d tokens, chosen by "
                         "specplug.common.cost from step costs and acceptance measured in this engine",
                         self.num_speculative_tokens)
-        self.retrieval = self._retrieval_drafter(vllm_config)  # hybrid drafting, or None
-        self.retrieval_only_steps = 0  # steps drafted by retrieval alone (RetrievalConfig.head_skip)
+        self.token_drafter = None  # hybrid drafting: the section's token drafter, or None
+        if self.specplug.drafter is not None:
+            self.token_drafter = token_drafters.build(self.specplug.drafter, vllm_config.model_config.get_vocab_size())
+        self.drafted_alone = 0  # steps drafted by the token drafter alone (TokenDrafter.alone)
         self._log_active()
 
     def load_model(self, target_model):
@@ -202,8 +206,8 @@ class SpecplugEagleProposer(EagleProposer):
         discarded = self.runner.discard_request_mask.cpu[:batch].tolist()
         rows, requests = self._committed_rows(token_ids, positions, aux_hidden, next_token_ids,
                                               attn_metadata, num_rejected, discarded)
-        if self.retrieval is not None:
-            self._sync_retrieval(requests)
+        if self.token_drafter is not None:
+            self._sync_token_drafter(requests)
         keep = [i for i, b in enumerate(rows) if not discarded[b]]  # vLLM drops partial prefills' drafts
         if self.adaptive is not None:
             depth = self.adaptive.choose_depth(len(keep)) if keep else 0
@@ -211,9 +215,10 @@ class SpecplugEagleProposer(EagleProposer):
                 self._defer(requests)
                 return torch.zeros(batch, 0, dtype=next_token_ids.dtype, device=next_token_ids.device)
         if keep and depth > 0 and self.tree_verifier is None:
-            chains = self._retrieval_only([requests[i][0] for i in keep], depth)
+            chains = None if self.token_drafter is None else self.token_drafter.alone(
+                [requests[i][0] for i in keep], depth)
             if chains is not None:  # the head's catch-up waits for the next step that drafts with it
-                self.retrieval_only_steps += 1
+                self.drafted_alone += 1
                 self._defer(requests)
                 return self._scatter(chains, [rows[i] for i in keep], batch, next_token_ids)
         requests = [self._with_pending(r) for r in requests]
@@ -237,17 +242,6 @@ class SpecplugEagleProposer(EagleProposer):
         out[rows] = drafts.to(out.dtype)
         return out.to(next_token_ids.device)
 
-    def _retrieval_only(self, req_ids, depth):
-        """Long [len(req_ids), depth]: each request's best retrieval chain (padded by its
-        last token) when retrieval alone is confident enough for every request
-        (RetrievalConfig.skip_head), else None (the head drafts)."""
-        if self.retrieval is None or self.retrieval.config.head_skip is None:
-            return None
-        chains, probs = self.retrieval.best_chain(req_ids, k=depth)
-        if not self.retrieval.config.skip_head(probs):
-            return None
-        return pad_chains(chains, depth)
-
     def _draft_chains(self, roots, req_ids, depth):
         """Stage A: each root's best tree path, Long [len(roots), depth]. When drafting
         stopped early (TreeConfig.stop_below) the path is padded like any short path:
@@ -256,7 +250,7 @@ class SpecplugEagleProposer(EagleProposer):
         tree = self.specplug.tree
         budget = full_budget(depth, tree.topk, roots[0].logprobs.shape[-1])
         trees = draft_trees(self._dense_head, roots, depth, tree.topk, budget, tree.stop_below)
-        return best_chains(self._with_retrieval(trees, req_ids, depth, budget=None), depth)
+        return best_chains(self._with_token_drafts(trees, req_ids, depth, budget=None), depth)
 
     def _draft_trees(self, roots, req_ids):
         """Stage B: every kept node of each root's tree, Long [len(roots), N - 1], its
@@ -264,7 +258,7 @@ class SpecplugEagleProposer(EagleProposer):
         their best path padded to N - 1 instead, recorded as nothing (= a chain)."""
         config = self.specplug.tree
         trees = draft_trees(self._dense_head, roots, config.depth, config.topk, config.budget)
-        trees = self._with_retrieval(trees, req_ids, None, budget=config.budget)
+        trees = self._with_token_drafts(trees, req_ids, None, budget=config.budget)
         drafts = trees.candidates[:, 1:].clone()  # [B, N - 1]
         chained = torch.tensor([needs_chain(self.runner.requests[r].sampling_params) for r in req_ids])
         if chained.any():
@@ -274,57 +268,47 @@ class SpecplugEagleProposer(EagleProposer):
                 self.tree_verifier.record(req_id, trees.candidates[b], trees.parents[b])
         return drafts
 
-    # -- hybrid drafting: retrieval candidates beside the head's -----------------------
-    def _retrieval_drafter(self, vllm_config):
-        """The retrieval drafter of hybrid drafting (settings.retrieval), or None."""
-        if self.specplug.retrieval is None:
-            return None
-        from specplug.common.retrieval import RetrievalDrafter, load_datastore
-
-        store = None
-        if self.specplug.datastore is not None:
-            store = load_datastore(self.specplug.datastore, vocab_size=vllm_config.model_config.get_vocab_size())
-        return RetrievalDrafter(self.specplug.retrieval, store)
-
-    def _with_retrieval(self, trees, req_ids, depth, budget):
-        """The head's trees merged with retrieval trees (same roots) into one tree per
-        request: `budget` best nodes (None: every node), retrieval paths at most `depth`
-        deep (None: its own max_depth). For chains (`budget` None) retrieval keeps nodes
-        below its min_prob too: vLLM verifies all `depth` slots whatever they hold, so a
-        weak continuation of the best path still beats padding it."""
-        if self.retrieval is None:
+    # -- hybrid drafting: a token drafter's candidates beside the head's ---------------
+    def _with_token_drafts(self, trees, req_ids, depth, budget):
+        """The head's trees merged with the token drafter's (same roots) into one tree per
+        request: `budget` best nodes (None: every node), its paths at most `depth` deep
+        (None: its own max_depth). For chains (`budget` None) it keeps nodes below its
+        min_prob too: vLLM verifies all `depth` slots whatever they hold, so a weak
+        continuation of the best path still beats padding it."""
+        if self.token_drafter is None:
             return trees
         if budget is None:
-            found = self.retrieval.draft(req_ids, trees.candidates[:, 0], max_depth=depth, min_prob=0.0,
-                                         budget=max(self.retrieval.config.budget, 2 * depth))
+            found = draft_or_roots(self.token_drafter, req_ids, trees.candidates[:, 0], max_depth=depth,
+                                   min_prob=0.0, budget=max(self.token_drafter.budget, 2 * depth))
         else:
-            found = self.retrieval.draft(req_ids, trees.candidates[:, 0], max_depth=depth)
+            found = draft_or_roots(self.token_drafter, req_ids, trees.candidates[:, 0], max_depth=depth)
         keep = budget if budget is not None else int(trees.num_nodes.max() + found.num_nodes.max())
         return merge_trees([trees, found], keep)
 
-    def _sync_retrieval(self, requests):
-        """Bring the retrieval drafter's copy of each request's committed tokens to what
+    def _sync_token_drafter(self, requests):
+        """Bring the token drafter's copy of each request's committed tokens to what
         vLLM committed this step: cut what vLLM discarded (rejected drafts, preemption),
         fill what it has not seen from vLLM's request state, then append the new tokens."""
         for req_id, shifted, positions, _ in requests:
-            if self._retrieval_prefix(req_id, int(positions[0]) + 1):
-                self.retrieval.extend(req_id, shifted)
+            if self._drafter_prefix(req_id, int(positions[0]) + 1):
+                self.token_drafter.extend(req_id, shifted)
 
-    def _retrieval_prefix(self, req_id, length) -> bool:
+    def _drafter_prefix(self, req_id, length) -> bool:
         """Make the drafter hold exactly the request's first `length` tokens; False when
         vLLM's request state does not have them (e.g. prompt embeddings)."""
-        have = self.retrieval.length(req_id) if req_id in self.retrieval.live else None
+        drafter = self.token_drafter
+        have = drafter.length(req_id) if req_id in drafter.live else None
         if have is not None and have >= length:
-            self.retrieval.rollback(req_id, length)
+            drafter.rollback(req_id, length)
             return True
         state = self.runner.requests[req_id]
         known = list(state.prompt_token_ids or []) + list(state.output_token_ids)
         if len(known) < length or min(known[:length], default=0) < 0:
             return False
         if have is None:
-            self.retrieval.prefill(req_id, known[:length])
+            drafter.prefill(req_id, known[:length])
         else:
-            self.retrieval.extend(req_id, known[have:length])
+            drafter.extend(req_id, known[have:length])
         return True
 
     def _committed_rows(self, token_ids, positions, aux_hidden, next_token_ids, attn_metadata,
@@ -426,7 +410,7 @@ class SpecplugEagleProposer(EagleProposer):
             del self._caches[req_id]
         for req_id in [r for r in self._pending if r not in live]:
             del self._pending[req_id]
-        if self.retrieval is not None:
-            for req_id in [r for r in self.retrieval.live if r not in live]:
-                self.retrieval.free(req_id)  # its tokens join the cache of recent requests
+        if self.token_drafter is not None:
+            for req_id in [r for r in self.token_drafter.live if r not in live]:
+                self.token_drafter.free(req_id)  # retrieval: its tokens join the cache of recent requests
 

@@ -9,10 +9,12 @@ speculation (adaptive.py) is off unless the section says `"adaptive": true`; the
 environment variable SPECPLUG_ADAPTIVE ("1"/"true" or "0"/"false") overrides it. The
 verification stage comes from the section's `"stage"` ("chain" when absent); the
 environment variable SPECPLUG_STAGE ("chain" or "tree") overrides it. Hybrid drafting
-(head + retrieval candidates merged into one tree) is on when the section has
+(head + a token drafter's candidates merged into one tree) is on when the section has
 `"retrieval": true` or an object of specplug.common.retrieval.RetrievalConfig fields
-(plus an optional "datastore" path); SPECPLUG_RETRIEVAL ("0"/"1" or such a JSON
-object) overrides it.
+(plus an optional "datastore" path), SPECPLUG_RETRIEVAL ("0"/"1" or such a JSON
+object) overriding it, or `"drafter": NAME` / `{"name": NAME, fields}` for any
+registered token drafter, SPECPLUG_DRAFTER overriding both
+(specplug.common.token_drafters.drafter_choice).
 """
 
 from __future__ import annotations
@@ -24,8 +26,7 @@ from typing import Any, Mapping
 
 from specplug.common.adaptive import ENV_ADAPTIVE as ENV_ADAPTIVE_OVERRIDE
 from specplug.common.adaptive import adaptive_flag
-from specplug.common.retrieval import RetrievalConfig
-from specplug.common.retrieval.config import retrieval_settings
+from specplug.common.token_drafters import DrafterChoice, check_choice, drafter_choice
 from specplug.common.tree import TreeConfig
 
 ENV_TREE_OVERRIDE = "SPECPLUG_TREE"
@@ -48,17 +49,16 @@ class AdapterSettings:
       the whole tree is verified in one target pass (tree_verify.py).
     adaptive: per engine step, draft 0..num_speculative_tokens tokens as chosen by
       specplug.common.cost from costs and acceptance measured in the engine (adaptive.py).
-    retrieval: hybrid drafting: retrieval candidates (specplug.common.retrieval) merged
-      with the head's tree (specplug.common.merge) before path choice; None = head only.
-    datastore: optional static retrieval datastore file (`specplug datastore build`).
+    drafter: hybrid drafting: the token drafter (specplug.common.token_drafters; the
+      built-in "retrieval" or any registered one) whose candidates are merged with the
+      head's tree (specplug.common.merge) before path choice; None = head only.
     """
 
     tree: TreeConfig = TreeConfig()
     verification: str = "lossless"
     stage: str = "chain"
     adaptive: bool = False
-    retrieval: RetrievalConfig | None = None
-    datastore: str | None = None
+    drafter: DrafterChoice | None = None
 
     def __post_init__(self):
         if self.verification != "lossless":
@@ -97,14 +97,15 @@ def adapter_settings(section: Mapping[str, Any], environ: Mapping[str, str] = os
             tree.update(json.loads(override))
         except (json.JSONDecodeError, TypeError, ValueError) as exc:
             raise ValueError(f"{ENV_TREE_OVERRIDE} must be a JSON object, got {override!r}: {exc}") from exc
-    retrieval, datastore = retrieval_settings(section, environ)
+    drafter = drafter_choice(section, environ)
+    if drafter is not None:
+        check_choice(drafter)
     return AdapterSettings(
         tree=TreeConfig.from_dict(tree),
         verification=section.get("verification", "lossless"),
         stage=environ.get(ENV_STAGE_OVERRIDE) or section.get("stage", "chain"),
         adaptive=adaptive_flag(section, environ),
-        retrieval=retrieval,
-        datastore=datastore,
+        drafter=drafter,
     )
 
 

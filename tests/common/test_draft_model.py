@@ -106,3 +106,64 @@ def test_cli_cut_and_layers(tiny_llama_path, tmp_path, capsys):
     found = search(probe, len(target.model.layers), rounds=1, max_depth=3)
     assert all(0 < c.cost < 1 and 1 <= c.depth <= 3 for c in found)
     assert best_chain(1.0, 0.0, 4) == (4, 5.0) and best_chain(0.0, 0.5, 4)[0] == 1
+
+
+def test_token_drafter_follows_the_engine_and_drafts_what_the_drafter_does(tiny_llama_path, tmp_path):
+    """"draft_model" from the registry: its draft cache is brought to the committed tokens
+    at each draft (extend, rollback to a shorter prefix, a request freed) and it drafts
+    the same tree as the reference-loop drafter fed those tokens from scratch."""
+    from transformers import AutoModelForCausalLM
+
+    from specplug.common import token_drafters
+    from specplug.common.tree import TreeConfig
+
+    path = cut_draft_model(tiny_llama_path, "0-1", tmp_path / "draft")
+    choice = token_drafters.DrafterChoice("draft_model", {"model": str(path), "budget": 6, "max_depth": 3, "topk": 2})
+    drafter = token_drafters.build(choice, vocab_size=512)
+    fresh = DraftModelDrafter(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32))
+
+    def same_as_fresh(tokens):
+        fresh.prefill(["r"], [torch.tensor(tokens[:-1])], None, torch.tensor(tokens[-1:]))
+        want = fresh.draft(["r"], TreeConfig(depth=3, topk=2, budget=6))
+        got = drafter.draft(["a"])
+        assert torch.equal(got.candidates, want.candidates) and torch.equal(got.parents, want.parents)
+        torch.testing.assert_close(got.scores, want.scores, rtol=0, atol=1e-5)
+
+    drafter.prefill("a", [3, 17, 99, 4])
+    same_as_fresh([3, 17, 99, 4])
+    drafter.extend("a", [250, 7])
+    same_as_fresh([3, 17, 99, 4, 250, 7])
+    drafter.rollback("a", 3)  # the engine discarded tokens (e.g. preemption)
+    drafter.extend("a", [11])
+    same_as_fresh([3, 17, 99, 11])
+    drafter.free("a")
+    assert "a" not in drafter.drafter.states and "a" not in drafter.fed
+
+
+def test_sampled_token_drafter_returns_q(tiny_llama_path, tmp_path):
+    from specplug.common import token_drafters
+
+    path = cut_draft_model(tiny_llama_path, "0", tmp_path / "draft")
+    choice = token_drafters.DrafterChoice("draft_model", {"model": str(path), "max_depth": 2, "topk": 3,
+                                                          "temperature": 0.7, "seed": 1})
+    trees = [token_drafters.build(choice, vocab_size=512) for _ in range(2)]
+    for d in trees:
+        d.prefill("a", [3, 17, 99, 4])
+    first, again = (d.draft(["a"]) for d in trees)
+    assert first.draft_probs is not None and first.draft_probs.shape == (1, 7, 512)
+    inner = torch.zeros(7, dtype=torch.bool)
+    inner[first.parents[0, 1:]] = True  # nodes with children: their q rows are distributions, leaves' are 0
+    torch.testing.assert_close(first.draft_probs[0].sum(-1), inner.float())
+    assert torch.equal(first.candidates, again.candidates)  # seeded: the same draws
+
+
+def test_token_drafter_settings_are_checked(tmp_path, tiny_llama_path):
+    from specplug.common import token_drafters
+
+    with pytest.raises(ValueError, match="specplug draft-model cut"):
+        token_drafters.check_choice(token_drafters.DrafterChoice("draft_model", {"model": str(tmp_path)}))
+    path = cut_draft_model(tiny_llama_path, "0", tmp_path / "d")
+    with pytest.raises(ValueError, match="temperature must be > 0"):
+        token_drafters.check_choice(token_drafters.DrafterChoice("draft_model", {"model": str(path), "temperature": 0}))
+    with pytest.raises(ValueError, match="share the target's tokenizer"):
+        token_drafters.build(token_drafters.DrafterChoice("draft_model", {"model": str(path)}), vocab_size=1000)

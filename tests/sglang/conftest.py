@@ -63,6 +63,10 @@ NEAR_TIE_LOGPROB_GAP = 1e-3
 # greedy requests with each of SGLang's penalties, beside a plain one
 PENALISED = [dict(GREEDY, frequency_penalty=0.8), dict(GREEDY, repetition_penalty=1.4),
              dict(GREEDY, presence_penalty=1.0), dict(GREEDY)]
+# More of what SGLang's sampler offers, mixed: logit bias, min-new-tokens (the tiny model's
+# EOS banned for the whole answer), penalties together.
+RULES = [dict(GREEDY, frequency_penalty=0.5, logit_bias={"5": 2.0}), dict(GREEDY, min_new_tokens=48, repetition_penalty=1.2),
+         dict(GREEDY, presence_penalty=0.5, frequency_penalty=0.3), dict(GREEDY, logit_bias={"100": -5.0, "41": 3.0})]
 LONG_GREEDY = {"temperature": 0.0, "max_new_tokens": 96}
 # The T = 0.8 test: one prompt, SAMPLES requests, the first generated tokens compared.
 SAMPLE_PROMPT = [77, 300, 12, 400]
@@ -143,6 +147,7 @@ def baseline(sgl_model):
     with sglang_engine(sgl_model) as engine:
         return {
             "penalised": [o["output_ids"] for o in generate_ids(engine, PROMPTS[:4], PENALISED)],
+            "rules": [o["output_ids"] for o in generate_ids(engine, PROMPTS[:4], RULES)],
             "greedy": greedy_run(engine, PROMPTS, GREEDY),
             "greedy_bs1": [greedy_run(engine, [p], GREEDY)["ids"][0] for p in PROMPTS[:2]],
             "long": greedy_run(engine, PROMPTS, LONG_GREEDY),

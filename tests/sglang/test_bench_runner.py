@@ -26,6 +26,24 @@ def test_methods_and_their_speculative_arguments(sgl_model, medusa_heads):
     assert no_head.methods() == ["none", "ngram", "retrieval"]
     with pytest.raises(SystemExit, match="needs --head"):
         no_head.speculative_args("medusa")
+    with pytest.raises(SystemExit, match="needs --draft-model"):
+        no_head.speculative_args("draft-model")
+
+
+def test_draft_model_method_sets_the_drafter_only_while_its_engine_starts(sgl_model, monkeypatch):
+    from specplug.sglang_medusa.bench_runner import DRAFT_MODEL_TREE, _drafter_settings
+
+    runner = SglangRunner(str(sgl_model), None, max_new_tokens=8, temperature=0.0, seed=0, max_batch=4,
+                          draft_model="/models/draft")
+    assert runner.methods() == ["none", "ngram", "retrieval", "draft-model"]
+    assert runner.speculative_args("draft-model") == {"speculative_algorithm": "DRAFT_MODEL", **DRAFT_MODEL_TREE}
+    monkeypatch.setenv("SPECPLUG_DRAFTER", "mine")
+    with _drafter_settings({"model": "/models/draft"}):
+        import os
+        assert os.environ["SPECPLUG_DRAFTER"] == '{"model": "/models/draft"}'
+    assert os.environ["SPECPLUG_DRAFTER"] == "mine"
+    with _drafter_settings(None):
+        assert "SPECPLUG_DRAFTER" not in os.environ
 
 
 def test_cpu_engine_arguments(sgl_model):

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tests.sglang.conftest import (
-    GREEDY, PENALISED, PROMPTS, SAMPLE_PROMPT, SAMPLED, SAMPLES, assert_greedy_matches, generate_ids, greedy_run,
+    GREEDY, PENALISED, PROMPTS, RULES, SAMPLE_PROMPT, SAMPLED, SAMPLES, assert_greedy_matches, generate_ids, greedy_run,
     sglang_engine,
 )
 
@@ -49,9 +49,9 @@ def test_greedy_batch1_matches_no_speculation(medusa, baseline):
 
 
 def test_penalised_requests_match_no_speculation(medusa, baseline):
-    """Presence / frequency / repetition penalties beside a plain greedy request: SGLang
-    applies them per request from committed tokens, so penalised requests verify their
-    root alone (one token per step) and every output equals SGLang without speculation."""
+    """Presence / frequency / repetition penalties beside a plain greedy request, applied
+    per tree node along its own path (specplug.common.request_rules, engine "sglang"):
+    every output equals SGLang without speculation."""
     spec = [o["output_ids"] for o in generate_ids(medusa, PROMPTS[:4], PENALISED)]
     assert spec == baseline["penalised"]
 
@@ -129,3 +129,11 @@ def test_typical_acceptance_is_lossy_negative_control(sgl_model, medusa_heads, b
         outs = [o["output_ids"] for o in generate_ids(engine, [SAMPLE_PROMPT] * SAMPLES, SAMPLED)]
     assert min(homogeneity_pvalue(outs, baseline["sampled"], p) for p in POSITIONS) < ALPHA
 
+
+
+def test_logit_bias_min_new_tokens_and_penalties_match_no_speculation(medusa, baseline):
+    """Per-node rules: penalised requests draft and accept like any other (no longer their
+    root alone), and every output equals SGLang without speculation."""
+    outs = generate_ids(medusa, PROMPTS[:4], RULES)
+    assert [o["output_ids"] for o in outs] == baseline["rules"]
+    assert max(o["meta_info"]["spec_accept_length"] for o in outs[:3]) > 1.0  # penalised rows accepted drafts

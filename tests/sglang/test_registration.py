@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from specplug.sglang_medusa.settings import retrieval_settings_from_server_args, settings_from_server_args
+from specplug.sglang_medusa.settings import settings_from_server_args, token_settings_from_server_args
 from tests.sglang.conftest import ENGINE_ARGS
 
 
@@ -63,20 +63,28 @@ def test_bad_arguments_are_named(medusa_heads, kwargs, message):
         _settings(**kwargs)
 
 
-def _retrieval(environ=None, **kw):
+def _retrieval(environ=None, name="retrieval", **kw):
     from types import SimpleNamespace
 
     base = dict(speculative_num_steps=None, speculative_num_draft_tokens=None)
-    return retrieval_settings_from_server_args(SimpleNamespace(**{**base, **kw}), environ or {})
+    return token_settings_from_server_args(name, SimpleNamespace(**{**base, **kw}), environ or {})
 
 
 def test_retrieval_settings_come_from_the_defaults_then_environment_then_arguments(tmp_path):
     s = _retrieval()
-    assert (s.config.budget, s.num_nodes, s.config.max_depth, s.config.min_prob, s.config.min_expected) == (8, 9, 8, 0, .5)
+    f = s.choice.settings
+    assert (s.budget, s.num_nodes, s.max_depth, f["min_prob"], f["min_expected"]) == (8, 9, 8, 0, .5)
     s = _retrieval({"SPECPLUG_RETRIEVAL": '{"budget": 4, "min_prob": 0.2}'})
-    assert (s.config.budget, s.config.min_prob, s.config.min_expected, s.num_nodes) == (4, 0.2, 0.5, 5)
+    assert (s.budget, s.choice.settings["min_prob"], s.choice.settings["min_expected"], s.num_nodes) == (4, 0.2, 0.5, 5)
     s = _retrieval({"SPECPLUG_RETRIEVAL": '{"budget": 4}'}, speculative_num_draft_tokens=7, speculative_num_steps=3)
-    assert (s.config.budget, s.config.max_depth, s.datastore) == (6, 3, None)
+    assert (s.budget, s.max_depth, s.choice.settings.get("datastore")) == (6, 3, None)
+    s = _retrieval({"SPECPLUG_DRAFTER": '{"prior": 2.0}'})
+    assert s.choice.settings["prior"] == 2.0
+
+
+def test_a_plugin_drafters_settings_come_from_specplug_drafter_then_arguments():
+    s = _retrieval({"SPECPLUG_DRAFTER": '{"name": "lookup", "ngram": 3}'}, name="lookup", speculative_num_steps=4)
+    assert (s.choice.name, dict(s.choice.settings)) == ("lookup", {"budget": 8, "max_depth": 4, "ngram": 3})
 
 
 @pytest.mark.parametrize("environ, kwargs, message", [
@@ -85,6 +93,8 @@ def test_retrieval_settings_come_from_the_defaults_then_environment_then_argumen
     ({"SPECPLUG_RETRIEVAL": '{"datastore": "/no/such.npz"}'}, {}, "specplug datastore build"),
     ({}, {"speculative_num_draft_tokens": 1}, "--speculative-num-draft-tokens minus one"),
     ({}, {"speculative_num_steps": 0}, "--speculative-num-steps"),
+    ({"SPECPLUG_DRAFTER": "lookup"}, {}, "the algorithm chooses the drafter.*LOOKUP"),
+    ({"SPECPLUG_DRAFTER": '{"ngarm": 1}'}, {"name": "lookup"}, "LOOKUP: drafter 'lookup'.*ngarm"),
 ])
 def test_bad_retrieval_settings_are_named(environ, kwargs, message):
     with pytest.raises(ValueError, match=message):

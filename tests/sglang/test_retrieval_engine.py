@@ -7,7 +7,7 @@ lives in test_medusa_engine.py."""
 import pytest
 
 from tests.sglang.conftest import (
-    GREEDY, LONG_GREEDY, PENALISED, PROMPTS, SAMPLE_PROMPT, SAMPLED, SAMPLES, assert_greedy_matches, generate_ids,
+    GREEDY, LONG_GREEDY, PENALISED, PROMPTS, RULES, SAMPLE_PROMPT, SAMPLED, SAMPLES, assert_greedy_matches, generate_ids,
     greedy_run, sglang_engine,
 )
 from tests.sglang.test_medusa_engine import ALPHA, POSITIONS, homogeneity_pvalue
@@ -54,3 +54,11 @@ def test_sampling_at_t08_matches_no_speculation(retrieval, baseline):
     ids = [o["output_ids"] for o in outs]
     for position in POSITIONS:
         assert homogeneity_pvalue(ids, baseline["sampled"], position) > ALPHA, position
+
+
+def test_logit_bias_min_new_tokens_and_penalties_match_no_speculation(retrieval, baseline):
+    """Per-node rules: penalised requests draft and accept like any other (no longer their
+    root alone), and every output equals SGLang without speculation."""
+    outs = generate_ids(retrieval, PROMPTS[:4], RULES)
+    assert [o["output_ids"] for o in outs] == baseline["rules"]
+    assert max(o["meta_info"]["spec_accept_length"] for o in outs[:3]) > 1.0  # penalised rows accepted drafts

@@ -32,3 +32,22 @@ def test_bench_none_vs_ngram_is_lossless_and_reports_acceptance(tiny_llama_path,
         assert len(ngram["acceptance_by_pos"]) == 4
         assert rows[("none", batch)]["speedup"] == 1.0
     assert (tmp_path / "bench.png").stat().st_size > 0
+
+
+def test_bench_draft_model_rows_are_lossless(tiny_llama_path, tmp_path):
+    """--draft-model adds vLLM's built-in draft_model chain and specplug's head + draft
+    model tree (the "draft_model" token drafter) beside none, all greedy-identical."""
+    from specplug.common.draft_model import cut_draft_model
+    from tests.vllm.conftest import SPECPLUG_CHAIN
+    from tests.vllm.tiny_heads import tiny_head_dir
+
+    draft = cut_draft_model(tiny_llama_path, "0", tmp_path / "draft")
+    head = tiny_head_dir(tiny_llama_path, specplug=SPECPLUG_CHAIN)
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", OMP_NUM_THREADS="1", VLLM_CPU_KVCACHE_SPACE="1")
+    cmd = [sys.executable, "-m", "specplug.cli", "bench", "--engine", "vllm", "--model", str(tiny_llama_path),
+           "--head", str(head), "--draft-model", str(draft), "--methods", "none,draft_model,specplug-draft-model",
+           "--batch-sizes", "1", "--max-new-tokens", "16", "--num-prompts", "2", "--out", str(tmp_path / "out")]
+    subprocess.run(cmd, env=env, check=True, capture_output=True, text=True, timeout=600)
+    rows = {r["method"]: r for r in json.loads((tmp_path / "out" / "bench.json").read_text())["results"]}
+    for method in ("draft_model", "specplug-draft-model"):
+        assert rows[method]["identical_to_none"] == 1.0 and rows[method]["num_drafts"] > 0

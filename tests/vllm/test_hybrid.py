@@ -44,8 +44,8 @@ def test_retrieval_candidates_reach_the_drafts(hybrid):
     """Some drafted token sequences come from retrieval: drafting with the retrieval
     drafter switched off for a step gives other drafts."""
     drafter = drafter_of(hybrid)
-    assert drafter.retrieval is not None
-    found, merge = [], drafter._with_retrieval
+    assert drafter.token_drafter is not None
+    found, merge = [], drafter._with_token_drafts
 
     def recording(trees, req_ids, depth, budget):
         merged = merge(trees, req_ids, depth, budget)
@@ -53,13 +53,13 @@ def test_retrieval_candidates_reach_the_drafts(hybrid):
                           and bool((merged.candidates == trees.candidates).all())))
         return merged
 
-    drafter._with_retrieval = recording
+    drafter._with_token_drafts = recording
     try:
         hybrid.generate(REPEATING, params(max_tokens=24, temperature=0.0), use_tqdm=False)
     finally:
-        del drafter._with_retrieval
+        del drafter._with_token_drafts
     assert any(found)
-    assert len(drafter.retrieval.cache) > 0  # finished requests joined the cache
+    assert len(drafter.token_drafter.cache) > 0  # finished requests joined the cache
 
 
 def test_bad_retrieval_settings_fail_at_start():
@@ -69,11 +69,11 @@ def test_bad_retrieval_settings_fail_at_start():
         adapter_settings({"retrieval": {"bugdet": 4}})
     with pytest.raises(ValueError, match="SPECPLUG_RETRIEVAL"):
         adapter_settings({}, {"SPECPLUG_RETRIEVAL": "{not json"})
-    assert adapter_settings({"retrieval": True}, {"SPECPLUG_RETRIEVAL": "0"}).retrieval is None
-    assert adapter_settings({}, {"SPECPLUG_RETRIEVAL": '{"budget": 2}'}).retrieval.budget == 2
+    assert adapter_settings({"retrieval": True}, {"SPECPLUG_RETRIEVAL": "0"}).drafter is None
+    assert adapter_settings({}, {"SPECPLUG_RETRIEVAL": '{"budget": 2}'}).drafter.settings["budget"] == 2
 
 
-def test_retrieval_only_steps_skip_the_head_and_stay_lossless(engine, target):
+def test_drafted_alone_skip_the_head_and_stay_lossless(engine, target):
     """head_skip: steps where retrieval's best chain expects >= 0.5 accepted tokens draft
     from retrieval alone (the head's catch-up deferred); greedy output is unchanged and
     the head is back in sync whenever it drafts again."""
@@ -81,5 +81,26 @@ def test_retrieval_only_steps_skip_the_head_and_stay_lossless(engine, target):
     llm = engine(target, head)
     sampling = params(max_tokens=48, temperature=0.0)
     spec = token_ids(llm.generate(REPEATING, sampling, use_tqdm=False))
-    assert drafter_of(llm).retrieval_only_steps > 0
+    assert drafter_of(llm).drafted_alone > 0
+    assert spec == token_ids(engine(target).generate(REPEATING, sampling, use_tqdm=False))
+
+
+@pytest.mark.parametrize("name, cls", [("lookup", "LookupDrafter"), ("draft_model", "DraftModelTokenDrafter")])
+def test_a_registered_drafter_runs_beside_the_head(engine, target, tmp_path_factory, name, cls):
+    """Token drafters named in the head's section draft beside the head with no engine
+    code of their own; greedy output equals vLLM without speculation. `lookup`:
+    tests/support/drafter_plugin, one class and one entry point in the group "specplug";
+    "draft_model": built in, here the target's first layer cut out by `specplug
+    draft-model cut`. SGLang runs both alone (tests/sglang/test_plugin_drafter.py)."""
+    from specplug.common.draft_model import cut_draft_model
+
+    drafter = {"name": "lookup", "ngram": 1}
+    if name == "draft_model":
+        draft = cut_draft_model(target, "0", tmp_path_factory.mktemp("draft") / "draft")
+        drafter = {"name": "draft_model", "model": str(draft), "max_depth": 3, "topk": 2}
+    llm = engine(target, tiny_head_dir(target, specplug={**SPECPLUG_CHAIN, "drafter": drafter}))
+    sampling = params(max_tokens=32, temperature=0.0)
+    spec, stats = run(llm, REPEATING, sampling)
+    assert type(drafter_of(llm).token_drafter).__name__ == cls
+    assert stats.num_drafts > 0
     assert spec == token_ids(engine(target).generate(REPEATING, sampling, use_tqdm=False))

@@ -105,28 +105,39 @@ class RetrievalConfig:
         return self.max_match - self.min_match + 1
 
 
-def retrieval_settings(section: Mapping[str, Any], environ: Mapping[str, str] = os.environ):
-    """(RetrievalConfig or None, datastore path or None) from a head's `specplug` section's
-    "retrieval" value (true / false / an object of RetrievalConfig fields and an optional
-    "datastore" path), SPECPLUG_RETRIEVAL overriding it. Both engines read it here."""
+def retrieval_fields(section: Mapping[str, Any], environ: Mapping[str, str] = os.environ) -> dict | None:
+    """A head's `specplug` section's "retrieval" value (true / false / an object of
+    RetrievalConfig fields and an optional "datastore" path), SPECPLUG_RETRIEVAL
+    overriding it, as a dict of fields (None: off). Both engines read it here."""
     value = section.get("retrieval")
     override = retrieval_override(environ)
     if override is not None:
         value = override
     if value is None or value is False:
-        return None, None
+        return None
     if value is True:
         value = {}
     if not isinstance(value, Mapping):
         raise ValueError(f"specplug \"retrieval\" must be true, false or an object of RetrievalConfig fields, "
                          f"got {value!r}: fix the head's specplug section or {ENV_RETRIEVAL}")
-    fields = dict(value)
+    return dict(value)
+
+
+def config_from_fields(fields: Mapping[str, Any]) -> tuple[RetrievalConfig, str | None]:
+    """(RetrievalConfig, datastore path or None) from a dict of its fields and "datastore"."""
+    fields = dict(fields)
     datastore = fields.pop("datastore", None)
     try:
         return RetrievalConfig(**fields), datastore
     except TypeError as exc:
         raise ValueError(f"specplug \"retrieval\" has an unknown field ({exc}): use fields of "
                          "specplug.common.retrieval.RetrievalConfig or \"datastore\"") from exc
+
+
+def retrieval_settings(section: Mapping[str, Any], environ: Mapping[str, str] = os.environ):
+    """(RetrievalConfig or None, datastore path or None): :func:`retrieval_fields` checked."""
+    fields = retrieval_fields(section, environ)
+    return (None, None) if fields is None else config_from_fields(fields)
 
 
 def retrieval_override(environ: Mapping[str, str] = os.environ):

@@ -19,26 +19,20 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Hashable, Sequence
+from pathlib import Path
 
 import numpy as np
 import torch
 
+from ..path_choice import pad_chains
+from ..token_drafters import new_tokens, pack_trees, token_list
 from ..tree import TreeBatch, TreeConfig
-from .config import RetrievalConfig
-from .datastore import Datastore
+from .config import RetrievalConfig, config_from_fields
+from .datastore import Datastore, load_datastore
 from .index import _RecentCache, _Sequence
 from .trees import best_path, continuation_tree
 
 logger = logging.getLogger(__name__)
-
-
-def _token_list(tokens) -> list[int]:
-    """Tokens (list, tuple, tensor, ndarray) as a list of Python ints >= 0."""
-    out = tokens.tolist() if hasattr(tokens, "tolist") else [int(t) for t in tokens]
-    out = out if isinstance(out, list) else [out]  # a 0-d tensor / array
-    if out and min(out) < 0:
-        raise ValueError(f"token ids must be >= 0, got {min(out)}: pass committed token ids")
-    return out
 
 
 class RetrievalDrafter:
@@ -56,17 +50,37 @@ class RetrievalDrafter:
         logger.info("retrieval drafter: %s; datastore %s", dataclasses.asdict(config),
                     "none" if datastore is None else datastore.summary())
 
+    @classmethod
+    def check_settings(cls, settings) -> None:
+        """ValueError naming a bad field of RetrievalConfig's fields (+ "datastore": a file)."""
+        _, datastore = config_from_fields(settings)
+        if datastore is not None and not Path(datastore).is_file():
+            raise ValueError(f"retrieval \"datastore\" {datastore!r} is not a file: build one with "
+                             "`specplug datastore build` or drop the field")
+
+    @classmethod
+    def from_settings(cls, settings, vocab_size: int) -> "RetrievalDrafter":
+        """The registry's constructor: RetrievalConfig fields plus an optional "datastore" file."""
+        cls.check_settings(settings)
+        config, datastore = config_from_fields(settings)
+        store = None if datastore is None else load_datastore(datastore, vocab_size=vocab_size)
+        return cls(config, store)
+
+    @property
+    def budget(self) -> int:
+        return self.config.budget
+
     # -- state -----------------------------------------------------------------------
     def prefill(self, request_id: Hashable, prompt_tokens) -> None:
         """Add a prompt chunk: starts the request if its id is new, else appends (chunked prefill)."""
         seq = self.live.get(request_id)
         if seq is None:
             seq = self.live[request_id] = _Sequence(self.config.min_match, self.config.max_match)
-        seq.append(_token_list(prompt_tokens))
+        seq.append(token_list(prompt_tokens))
 
     def extend(self, request_id: Hashable, tokens) -> None:
         """Append committed tokens (accepted drafts + bonus) to a prefilled request."""
-        self._live(request_id).append(_token_list(tokens))
+        self._live(request_id).append(token_list(tokens))
 
     def rollback(self, request_id: Hashable, length: int) -> None:
         """Forget every token beyond the first ``length`` (the engine discarded them)."""
@@ -86,13 +100,7 @@ class RetrievalDrafter:
         have = len(self.live[request_id].tokens) if request_id in self.live else 0
         if have > total:
             self.rollback(request_id, total)
-            return
-        new, offset = [], 0
-        for part in parts:
-            if have < offset + len(part):
-                new.extend(part[max(0, have - offset):])
-            offset += len(part)
-        if new:
+        elif new := new_tokens(have, parts):
             self.prefill(request_id, new)
 
     def free(self, request_id: Hashable) -> None:
@@ -200,7 +208,7 @@ class RetrievalDrafter:
         depth = cfg.max_depth if max_depth is None else max_depth
         roots, found = self._gather(request_ids, root_tokens, depth)
         trees = [continuation_tree(conts, budget, cfg, n) for n, conts in found]
-        return _pack(roots, [t if sum(t[2]) >= cfg.min_expected else ([], [], []) for t in trees])
+        return pack_trees(roots, [t if sum(t[2]) >= cfg.min_expected else ([], [], []) for t in trees])
 
     def draft(self, request_ids: Sequence[Hashable], root_tokens=None, **overrides) -> TreeBatch:
         """Draft trees (see :meth:`draft_scored`); TreeBatch.scores are log-scores."""
@@ -219,22 +227,16 @@ class RetrievalDrafter:
         for n, conts in found:
             tokens, probs = best_path(conts, k, cfg, n)
             chains.append((tokens, list(range(len(tokens))), probs))
-        return _pack(roots, chains)
+        return pack_trees(roots, chains)
 
-
-def _pack(roots: list[int], trees: list[tuple[list[int], list[int], list[float]]]) -> tuple[TreeBatch, torch.Tensor]:
-    """Per-request (tokens, parents, probs) of draft nodes -> padded TreeBatch + probs [B, N]."""
-    n = 1 + max((len(t[0]) for t in trees), default=0)
-    cand, par, prob = [], [], []
-    for root, (tokens, parents, probs) in zip(roots, trees):
-        pad = n - 1 - len(tokens)
-        cand.append([root] + tokens + [0] * pad)
-        par.append([-1] + parents + [-1] * pad)
-        prob.append([1.0] + probs + [0.0] * pad)
-    probs = torch.tensor(prob, dtype=torch.float32).reshape(len(roots), n)
-    longs = torch.tensor([cand, par], dtype=torch.long).reshape(2, len(roots), n)
-    num_nodes = torch.tensor([1 + len(t[0]) for t in trees], dtype=torch.long)
-    return TreeBatch(longs[0], longs[1], num_nodes, probs.log()), probs
+    def alone(self, request_ids: Sequence[Hashable], depth: int) -> torch.Tensor | None:
+        """Long [B, depth]: each request's best chain (padded by its last token) when the
+        retrieval alone is confident enough for every request (RetrievalConfig.head_skip),
+        else None: hybrid drafting then runs the head."""
+        if self.config.head_skip is None:
+            return None
+        chains, probs = self.best_chain(request_ids, k=depth)
+        return pad_chains(chains, depth) if self.config.skip_head(probs) else None
 
 
 class ReferenceDrafter:
@@ -251,12 +253,12 @@ class ReferenceDrafter:
         return (num_target_layers,)
 
     def prefill(self, request_ids, prompt_ids, hidden, first_tokens) -> None:
-        for rid, prompt, first in zip(request_ids, prompt_ids, _token_list(first_tokens)):
-            self.drafter.prefill(rid, _token_list(prompt) + [first])
+        for rid, prompt, first in zip(request_ids, prompt_ids, token_list(first_tokens)):
+            self.drafter.prefill(rid, token_list(prompt) + [first])
 
     def commit(self, request_ids, accepted_tokens, hidden, bonus) -> None:
-        for rid, accepted, root in zip(request_ids, accepted_tokens, _token_list(bonus)):
-            self.drafter.extend(rid, _token_list(accepted) + [root])
+        for rid, accepted, root in zip(request_ids, accepted_tokens, token_list(bonus)):
+            self.drafter.extend(rid, token_list(accepted) + [root])
 
     def draft(self, request_ids, tree: TreeConfig = TreeConfig()) -> TreeBatch:
         return self.drafter.draft(request_ids, budget=tree.budget, max_depth=tree.depth)

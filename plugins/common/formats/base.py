@@ -1,0 +1,55 @@
+"""The checkpoint formats' shared names: the formats, CheckpointError, LoadedHead, SaveReport."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+METHOD_OF_FORMAT = {"eagle3": "eagle3", "speculators": "eagle3", "eagle1": "eagle1",
+                    "medusa": "medusa", "vllm-medusa": "medusa"}
+FORMATS = tuple(METHOD_OF_FORMAT)
+CANONICAL_FORMAT = {"eagle3": "eagle3", "eagle1": "eagle1", "medusa": "medusa"}
+EAGLE3_ARCHITECTURE = "LlamaForCausalLMEagle3"
+NUM_AUX_HIDDEN_STATES = 3            # EAGLE-3 fuses low / mid / high target layers
+DEFAULT_SPECULATIVE_TOKENS = 3       # speculators_config needs one; used when nothing says
+MEDUSA_HEAD_FILE = "medusa_lm_head"  # FasterDecoding's weights file stem
+SAFETENSORS_METADATA = {"format": "pt"}
+_FIX_FORMATS = f"pass a checkpoint in one of the formats {list(FORMATS)} (see docs/formats.md)"
+
+
+class CheckpointError(ValueError):
+    """A malformed or mismatched checkpoint: names the field, the expected and given
+    values, the file, and the fix."""
+
+    def __init__(self, field: str, expected: Any, given: Any, where: str, fix: str):
+        self.field, self.expected, self.given, self.where, self.fix = field, expected, given, where, fix
+        super().__init__(f"{field}: expected {expected}, given {given} ({where}); fix: {fix}")
+
+
+@dataclass
+class LoadedHead:
+    """A head in canonical form. `extra` = {"format": source format, "config": the source
+    config.json as read, "tensors": source-only tensors}; `tensor_files` maps canonical
+    tensor names to the file they came from (for error messages)."""
+
+    method: str
+    format: str
+    config: dict
+    state_dict: dict[str, torch.Tensor]
+    extra: dict = field(default_factory=dict)
+    path: str | None = None
+    tensor_files: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class SaveReport:
+    """What `save_head` wrote, dropped (lost information) and assumed (notes)."""
+
+    format: str
+    path: str
+    files: list[str]
+    dropped: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)

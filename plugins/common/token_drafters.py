@@ -1,0 +1,280 @@
+"""Token drafters: drafters that read only each request's committed tokens, and the one
+way both engines choose, build and drive them.
+
+A token drafter is ONE class registered under a name (the ``specplug_drafters`` hook,
+entry-point group ``specplug``); vLLM merges its trees with the EAGLE-3 head's (hybrid
+drafting) and SGLang runs it alone as ``--speculative-algorithm NAME`` (upper case).
+The engines speak to it through :class:`TokenDrafter` only:
+
+  from_settings(settings, vocab_size)   build (classmethod); settings: a dict of its own
+                                        fields, plus "budget" / "max_depth" where the
+                                        engine fixes them (SGLang's tree size)
+  check_settings(settings)              raise ValueError naming a bad field (classmethod,
+                                        called before the model loads)
+  prefill(rid, tokens)                  start a request or append a prompt chunk
+  extend(rid, tokens)                   append committed tokens (accepted + bonus)
+  rollback(rid, length)                 keep the first `length` tokens (rejected drafts,
+                                        preemption, a step the engine discarded)
+  sync(rid, *parts)                     hold exactly the concatenation of parts
+  length(rid), live                     tokens held; the request ids held
+  free(rid)                             the request finished (unknown ids: no-op)
+  clear_cache()                         forget anything kept across requests
+  draft(rids, root_tokens=None, *, budget=None, max_depth=None, min_prob=None)
+                                        -> TreeBatch rooted at each request's last
+                                        committed token; scores = log of each node's
+                                        estimated acceptance probability (root 0,
+                                        padding -inf), the scale the hybrid merge ranks
+                                        on; draft_probs None (verified with the
+                                        target-only rule, so any draft is lossless)
+  alone(rids, depth)                    Long [B, depth] chains to verify without running
+                                        the head this step, or None (the head drafts)
+  budget                                nodes drafted when draft() is given no budget
+
+Invariant: draft() never changes state; between calls a request's state is exactly the
+tokens the engine committed. :class:`TokenDrafterBase` keeps that state as plain lists,
+so a new drafter writes ``draft`` (and its fields) only.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import logging
+import os
+from collections.abc import Hashable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from .tree import TreeBatch
+
+logger = logging.getLogger(__name__)
+
+ENV_DRAFTER = "SPECPLUG_DRAFTER"  # a registered drafter's name, or {"name": ..., its fields}; "0" = off
+ENGINE_FIELDS = ("budget", "max_depth")  # fields an engine may fix for every drafter
+
+
+class TokenDrafter(Protocol):
+    budget: int
+    live: Mapping
+
+    @classmethod
+    def from_settings(cls, settings: Mapping[str, Any], vocab_size: int) -> "TokenDrafter": ...
+    @classmethod
+    def check_settings(cls, settings: Mapping[str, Any]) -> None: ...
+    def prefill(self, request_id: Hashable, tokens) -> None: ...
+    def extend(self, request_id: Hashable, tokens) -> None: ...
+    def rollback(self, request_id: Hashable, length: int) -> None: ...
+    def sync(self, request_id: Hashable, *parts: Sequence[int]) -> None: ...
+    def length(self, request_id: Hashable) -> int: ...
+    def free(self, request_id: Hashable) -> None: ...
+    def clear_cache(self) -> None: ...
+    def draft(self, request_ids, root_tokens=None, *, budget=None, max_depth=None, min_prob=None) -> TreeBatch: ...
+    def alone(self, request_ids, depth: int) -> torch.Tensor | None: ...
+
+
+def token_list(tokens) -> list[int]:
+    """Tokens (list, tuple, tensor, ndarray) as a list of Python ints >= 0."""
+    out = tokens.tolist() if hasattr(tokens, "tolist") else [int(t) for t in tokens]
+    out = out if isinstance(out, list) else [out]  # a 0-d tensor / array
+    if out and min(out) < 0:
+        raise ValueError(f"token ids must be >= 0, got {min(out)}: pass committed token ids")
+    return out
+
+
+def new_tokens(have: int, parts: Sequence[Sequence[int]]) -> list[int]:
+    """The tokens of concat(parts) past the first `have`, slicing only those."""
+    new, offset = [], 0
+    for part in parts:
+        if have < offset + len(part):
+            new.extend(part[max(0, have - offset):])
+        offset += len(part)
+    return new
+
+
+def pack_trees(roots: list[int], trees: list[tuple[list[int], list[int], list[float]]]
+               ) -> tuple[TreeBatch, torch.Tensor]:
+    """Per request (tokens, parents, probs) of its draft nodes (parents index the request's
+    nodes, 0 = root) -> right-padded TreeBatch (scores = log probs) and probs Float [B, N]
+    (root 1, padding 0)."""
+    n = 1 + max((len(t[0]) for t in trees), default=0)
+    cand, par, prob = [], [], []
+    for root, (tokens, parents, probs) in zip(roots, trees):
+        pad = n - 1 - len(tokens)
+        cand.append([root] + tokens + [0] * pad)
+        par.append([-1] + parents + [-1] * pad)
+        prob.append([1.0] + probs + [0.0] * pad)
+    probs = torch.tensor(prob, dtype=torch.float32).reshape(len(roots), n)
+    longs = torch.tensor([cand, par], dtype=torch.long).reshape(2, len(roots), n)
+    num_nodes = torch.tensor([1 + len(t[0]) for t in trees], dtype=torch.long)
+    return TreeBatch(longs[0], longs[1], num_nodes, probs.log()), probs
+
+
+def draft_or_roots(drafter: TokenDrafter, request_ids, root_tokens, **overrides) -> TreeBatch:
+    """drafter.draft(...), or every request's root alone when it raises: a drafter's bug
+    costs the step its drafts, never the server (logged with its traceback).
+    root_tokens: each request's last committed token."""
+    try:
+        return drafter.draft(request_ids, root_tokens, **overrides)
+    except Exception:
+        logger.exception("token drafter %s failed; this step runs without its drafts", type(drafter).__name__)
+        return pack_trees([int(t) for t in root_tokens], [([], [], [])] * len(request_ids))[0]
+
+
+class TokenDrafterBase:
+    """State of a token drafter as plain token lists (see the module docstring); a
+    subclass takes its fields as keyword arguments (with ``budget`` and ``max_depth``)
+    and implements ``draft``."""
+
+    def __init__(self, budget: int = 8, max_depth: int = 8):
+        for name, value in (("budget", budget), ("max_depth", max_depth)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{type(self).__name__}.{name} must be an int >= 1, got {value!r}")
+        self.budget, self.max_depth = budget, max_depth
+        self.live: dict[Hashable, list[int]] = {}
+
+    @classmethod
+    def check_settings(cls, settings: Mapping[str, Any]) -> None:
+        try:
+            inspect.signature(cls).bind(**settings)
+        except TypeError as exc:
+            raise ValueError(f"drafter {cls.__name__}: {exc}; its fields are "
+                             f"{list(inspect.signature(cls).parameters)}") from exc
+
+    @classmethod
+    def from_settings(cls, settings: Mapping[str, Any], vocab_size: int) -> "TokenDrafterBase":
+        cls.check_settings(settings)
+        return cls(**settings)
+
+    def prefill(self, request_id: Hashable, tokens) -> None:
+        self.live.setdefault(request_id, []).extend(token_list(tokens))
+
+    def extend(self, request_id: Hashable, tokens) -> None:
+        self._tokens(request_id).extend(token_list(tokens))
+
+    def rollback(self, request_id: Hashable, length: int) -> None:
+        tokens = self._tokens(request_id)
+        if not 0 <= length <= len(tokens):
+            raise ValueError(f"rollback length must be in [0, {len(tokens)}] for request {request_id!r}, "
+                             f"got {length!r}")
+        del tokens[length:]
+
+    def sync(self, request_id: Hashable, *parts: Sequence[int]) -> None:
+        have = len(self.live.get(request_id, ()))
+        if have > sum(len(p) for p in parts):
+            self.rollback(request_id, sum(len(p) for p in parts))
+        elif new := new_tokens(have, parts):
+            self.prefill(request_id, new)
+
+    def length(self, request_id: Hashable) -> int:
+        return len(self._tokens(request_id))
+
+    def free(self, request_id: Hashable) -> None:
+        self.live.pop(request_id, None)
+
+    def clear_cache(self) -> None:
+        pass
+
+    def alone(self, request_ids, depth: int) -> torch.Tensor | None:
+        return None
+
+    def draft(self, request_ids, root_tokens=None, *, budget=None, max_depth=None, min_prob=None) -> TreeBatch:
+        raise NotImplementedError(f"{type(self).__name__} must implement draft()")
+
+    def _tokens(self, request_id: Hashable) -> list[int]:
+        if request_id not in self.live:
+            raise ValueError(f"request {request_id!r} has no drafter state: call prefill() for it first")
+        return self.live[request_id]
+
+
+@dataclass(frozen=True)
+class DrafterChoice:
+    """A registered token drafter's name and the settings it is built with."""
+
+    name: str
+    settings: Mapping[str, Any] = field(default_factory=dict)
+
+    def with_fields(self, **fields) -> "DrafterChoice":
+        return DrafterChoice(self.name, {**self.settings, **fields})
+
+
+def _parse_env(text: str):
+    text = text.strip()
+    if text.lower() in ("0", "false", "off"):
+        return False
+    if text.startswith("{"):
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{ENV_DRAFTER} must be a drafter name or a JSON object, got {text!r}: {exc}") from exc
+    return text
+
+
+def _choice(value, where: str) -> DrafterChoice:
+    """A "drafter" value (a name or {"name": ..., fields}) as a DrafterChoice."""
+    if isinstance(value, str) and value:
+        return DrafterChoice(value)
+    if isinstance(value, Mapping) and isinstance(value.get("name"), str):
+        return DrafterChoice(value["name"], {k: v for k, v in value.items() if k != "name"})
+    raise ValueError(f"{where} must be a registered drafter's name or an object with \"name\" and its fields, "
+                     f"got {value!r}: e.g. \"retrieval\" or {{\"name\": \"retrieval\", \"budget\": 4}}")
+
+
+def env_choice(environ: Mapping[str, str] = os.environ, default_name: str | None = None):
+    """SPECPLUG_DRAFTER as given: None (unset), False ("0" / "off") or a DrafterChoice (a
+    name, or a JSON object of fields with "name"; without it, `default_name`)."""
+    text = environ.get(ENV_DRAFTER, "").strip()
+    if not text:
+        return None
+    value = _parse_env(text)
+    if isinstance(value, Mapping) and "name" not in value and default_name is not None:
+        value = {"name": default_name, **value}
+    return value if value is False else _choice(value, ENV_DRAFTER)
+
+
+def drafter_choice(section: Mapping[str, Any], environ: Mapping[str, str] = os.environ) -> DrafterChoice | None:
+    """The token drafter a head's `specplug` section asks for, or None: SPECPLUG_DRAFTER
+    if set, else SPECPLUG_RETRIEVAL / the section's "retrieval" (the built-in retrieval
+    drafter: true or an object of its fields), else the section's "drafter"."""
+    from .retrieval.config import retrieval_fields, retrieval_override
+
+    env = env_choice(environ)
+    if env is not None:
+        return env or None
+    if "retrieval" in section and "drafter" in section:
+        raise ValueError("the specplug section has both \"retrieval\" and \"drafter\": keep one "
+                         "(\"retrieval\": {...} is \"drafter\": {\"name\": \"retrieval\", ...})")
+    if retrieval_override(environ) is not None or "retrieval" in section:
+        fields = retrieval_fields(section, environ)
+        return None if fields is None else DrafterChoice("retrieval", fields)
+    return None if section.get("drafter") in (None, False) else _choice(section["drafter"], "specplug \"drafter\"")
+
+
+def drafter_class(name: str):
+    """The class registered as drafter `name` (ValueError lists the registered ones)."""
+    from .hooks import get_drafter
+
+    return get_drafter(name)
+
+
+def check_choice(choice: DrafterChoice) -> None:
+    """Raise ValueError when the drafter is not registered or its settings are wrong."""
+    cls = drafter_class(choice.name)
+    try:
+        cls.check_settings(dict(choice.settings))
+    except ValueError as exc:
+        raise ValueError(f"drafter {choice.name!r}: {exc}") from exc
+
+
+def build(choice: DrafterChoice, vocab_size: int) -> TokenDrafter:
+    """The drafter `choice` names, built with its settings."""
+    check_choice(choice)
+    return drafter_class(choice.name).from_settings(dict(choice.settings), vocab_size)
+
+
+def token_drafter_names() -> list[str]:
+    """Registered drafters that speak TokenDrafter (a from_settings classmethod)."""
+    from .hooks import drafters
+
+    return sorted(name for name, obj in drafters().items() if callable(getattr(obj, "from_settings", None)))

@@ -1,0 +1,52 @@
+"""SGLang's per-request sampling rules -> specplug.common.request_rules.RequestRules
+(translation only; what they mean, per tree node along its own path, lives in the core).
+
+SGLang 0.5.23 keeps penalties as one accumulated row per request over its committed
+output (penaltylib), right for a tree's root and wrong after drafted tokens. These read
+the rules from each request instead: frequency / presence / repetition penalties over
+`req.output_ids` (committed, root included), min-new-tokens with the stop ids SGLang's
+penalizer bans, and logit bias; the core applies them with engine="sglang" (SGLang's
+order and arithmetic).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specplug.common.request_rules import RequestRules
+
+
+def rules_of(reqs) -> RequestRules:
+    """The decode batch's rules, one entry per request (empty when nobody sets any)."""
+    params = [req.sampling_params for req in reqs]
+    penalties = {}
+    if any(_penalised(p) for p in params):
+        penalties = dict(
+            frequency=torch.tensor([float(p.frequency_penalty) for p in params]),
+            presence=torch.tensor([float(p.presence_penalty) for p in params]),
+            repetition=torch.tensor([float(p.repetition_penalty) for p in params]),
+        )
+    return RequestRules(
+        output_tokens=[list(req.output_ids) for req in reqs] if penalties else [],
+        logit_bias={b: {int(t): float(v) for t, v in p.logit_bias.items()}
+                    for b, p in enumerate(params) if p.logit_bias},
+        min_tokens={b: (p.min_new_tokens - len(req.output_ids), stop_ids(req))
+                    for b, (req, p) in enumerate(zip(reqs, params)) if p.min_new_tokens > len(req.output_ids)},
+        engine="sglang",
+        **penalties,
+    )
+
+
+def _penalised(params) -> bool:
+    return params.frequency_penalty != 0.0 or params.presence_penalty != 0.0 or params.repetition_penalty != 1.0
+
+
+def stop_ids(req) -> set[int]:
+    """The tokens SGLang's min-new-tokens penalizer bans: the request's stop ids, its EOS
+    ids and the tokenizer's EOS / additional stop ids."""
+    tokenizer = req.tokenizer
+    ids = set(req.sampling_params.stop_token_ids or ()) | set(req.eos_token_ids or ())
+    if tokenizer is not None:
+        ids |= set(getattr(tokenizer, "additional_stop_token_ids", None) or ())
+        ids |= {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    return {int(t) for t in ids if t is not None}

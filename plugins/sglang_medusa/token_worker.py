@@ -1,0 +1,74 @@
+"""The worker of every registered token drafter in SGLang 0.5.23 (RETRIEVAL, specplug's
+retrieval drafter, and any drafter a plugin registers: --speculative-algorithm NAME).
+
+Before each decode step the drafter's copy of every request is brought to the tokens
+SGLang committed (prompt + output, `TokenDrafter.sync`: appends what is new, forgets
+what SGLang discarded, such as a retracted request's recomputation), and it drafts one
+tree per request (specplug.common.token_drafters). The trees differ per request and
+from step to step: n = 1 + the most draft nodes any request has (<= budget + 1,
+SGLang's speculative_num_draft_tokens); a step where no request has a draft verifies
+the roots alone, an ordinary decode step through the verify path. No hidden states are
+captured. A finished request is freed (retrieval: its tokens join the cache of recent
+requests); SGLang's flush_cache clears what the drafter keeps across requests.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from sglang.srt.arg_groups.overrides import resolving_view
+
+from specplug.common import token_drafters
+from specplug.common.token_drafters import draft_or_roots
+from specplug.common.tree import TreeBatch
+from specplug.sglang_medusa.settings import TokenDrafterSettings, token_settings_from_server_args
+from specplug.sglang_medusa.tree_worker import ROOT_ONLY, TreeVerifyWorker, batch_layout
+
+logger = logging.getLogger(__name__)
+
+
+class TokenDrafterWorker(TreeVerifyWorker):
+    """A token drafter's drafts, lossless tree verification; SGLang builds it with the
+    scheduler's worker arguments (see TreeVerifyWorker). The drafter is the registered
+    one named by --speculative-algorithm (lower case)."""
+
+    def __init__(self, server_args, gpu_id: int, nccl_port: int, target_worker):
+        cfg = resolving_view(server_args)
+        name = str(cfg.speculative_algorithm).lower()
+        self.settings: TokenDrafterSettings = token_settings_from_server_args(name, cfg)
+        super().__init__(server_args, target_worker, self.settings.num_nodes)
+        vocab_size = self.model_runner.model_config.vocab_size
+        self.drafter = token_drafters.build(self.settings.choice, vocab_size)
+        # requests SGLang never reported finished (e.g. aborted) are dropped beyond this
+        self.max_live = 2 * int(cfg.max_running_requests or 48)
+        logger.info("%s worker: drafter %s, up to %d draft nodes, depth %d, lossless verification",
+                    name.upper(), type(self.drafter).__name__, self.settings.budget, self.settings.max_depth)
+
+    def clear_cache_pool(self):
+        for rid in list(self.drafter.live):
+            self.drafter.free(rid)
+        self.drafter.clear_cache()
+
+    def note_request_finished(self, *, rid: str, natural_stop: bool) -> None:
+        self.drafter.free(rid)
+
+    def _draft(self, batch) -> tuple[TreeBatch, dict]:
+        """Each request's tree, rooted at its last committed token."""
+        rids = [req.rid for req in batch.reqs]
+        for req in batch.reqs:
+            self.drafter.sync(req.rid, req.origin_input_ids, req.output_ids)
+        self._forget_stale(rids)
+        roots = [req.output_ids[-1] if req.output_ids else req.origin_input_ids[-1] for req in batch.reqs]
+        tree = draft_or_roots(self.drafter, rids, roots)  # candidates [B, n], scores unused
+        if tree.candidates.shape[1] == 1:
+            return tree, ROOT_ONLY
+        return tree, batch_layout(tree)
+
+    def _forget_stale(self, rids: list) -> None:
+        """Bound the live requests: past max_live, those not in this batch are freed (one
+        that comes back is synced from SGLang's tokens again)."""
+        if len(self.drafter.live) <= self.max_live:
+            return
+        current = set(rids)
+        for rid in [r for r in self.drafter.live if r not in current]:
+            self.drafter.free(rid)
