@@ -36,7 +36,7 @@ from specplug.vllm_eagle3.settings import (
     check_num_speculative_tokens,
     specplug_section,
 )
-from specplug.common import token_drafters
+from specplug.common import memory, token_drafters
 from specplug.common.merge import merge_trees
 from specplug.common.path_choice import best_chains, full_budget
 from specplug.common.token_drafters import draft_or_roots
@@ -143,6 +143,7 @@ class SpecplugEagleProposer(EagleProposer):
         if self.specplug.drafter is not None:
             self.token_drafter = token_drafters.build(self.specplug.drafter, vllm_config.model_config.get_vocab_size())
         self.drafted_alone = 0  # steps drafted by the token drafter alone (TokenDrafter.alone)
+        memory.trim_every(memory.trim_period(0.0))  # opt-in: SPECPLUG_MALLOC_TRIM_S (docs/reliability.md)
         self._log_active()
 
     def load_model(self, target_model):

@@ -118,22 +118,22 @@ def test_sampling_at_t08_matches_no_speculation(medusa, baseline):
         assert homogeneity_pvalue(outs, baseline["sampled"], position) > ALPHA, position
 
 
-# Runs last among the tests of the module-scoped `medusa` engine: shutting down its own
-# engine kills every SGLang scheduler of this process (SGLang's kill_process_tree),
-# the module's engine included.
-def test_typical_acceptance_is_lossy_negative_control(sgl_model, medusa_heads, baseline):
-    """Negative control for the test above: typical acceptance (LOSSY by design, with
-    thresholds loose enough to accept nearly every head guess) must be detected."""
-    with sglang_engine(sgl_model, speculative_algorithm="MEDUSA", speculative_draft_model_path=str(medusa_heads),
-                       speculative_accept_threshold_single=0.01, speculative_accept_threshold_acc=0.01) as engine:
-        outs = [o["output_ids"] for o in generate_ids(engine, [SAMPLE_PROMPT] * SAMPLES, SAMPLED)]
-    assert min(homogeneity_pvalue(outs, baseline["sampled"], p) for p in POSITIONS) < ALPHA
-
-
-
 def test_logit_bias_min_new_tokens_and_penalties_match_no_speculation(medusa, baseline):
     """Per-node rules: penalised requests draft and accept like any other (no longer their
     root alone), and every output equals SGLang without speculation."""
     outs = generate_ids(medusa, PROMPTS[:4], RULES)
     assert [o["output_ids"] for o in outs] == baseline["rules"]
     assert max(o["meta_info"]["spec_accept_length"] for o in outs[:3]) > 1.0  # penalised rows accepted drafts
+
+
+# Runs last among the tests of the module-scoped `medusa` engine: shutting down its own
+# engine kills every SGLang scheduler of this process (SGLang's kill_process_tree),
+# the module's engine included.
+def test_typical_acceptance_is_lossy_negative_control(sgl_model, medusa_heads, baseline):
+    """Negative control for test_sampling_at_t08_matches_no_speculation: typical
+    acceptance (LOSSY by design, with thresholds loose enough to accept nearly every head
+    guess) must be detected."""
+    with sglang_engine(sgl_model, speculative_algorithm="MEDUSA", speculative_draft_model_path=str(medusa_heads),
+                       speculative_accept_threshold_single=0.01, speculative_accept_threshold_acc=0.01) as engine:
+        outs = [o["output_ids"] for o in generate_ids(engine, [SAMPLE_PROMPT] * SAMPLES, SAMPLED)]
+    assert min(homogeneity_pvalue(outs, baseline["sampled"], p) for p in POSITIONS) < ALPHA
