@@ -269,7 +269,7 @@ class DraftModelTokenDrafter(TokenDrafterBase):
         self.path, self.topk, self.dtype = model, topk, dtype
         self.temperature, self.seed = temperature, seed
         self.drafter: DraftModelDrafter | None = None  # built by from_settings
-        self.fed: dict[Hashable, list[int]] = {}  # tokens in each request's draft cache
+        self.valid: dict[Hashable, int] = {}  # leading committed tokens whose KV the draft cache holds
 
     @classmethod
     def check_settings(cls, settings) -> None:
@@ -295,9 +295,14 @@ class DraftModelTokenDrafter(TokenDrafterBase):
         self.drafter = DraftModelDrafter(model, temperature=self.temperature, seed=self.seed)
         return self
 
+    def rollback(self, request_id: Hashable, length: int) -> None:
+        super().rollback(request_id, length)
+        if request_id in self.valid:
+            self.valid[request_id] = min(self.valid[request_id], length)
+
     def free(self, request_id: Hashable) -> None:
         super().free(request_id)
-        self.fed.pop(request_id, None)
+        self.valid.pop(request_id, None)
         self.drafter.release([request_id])
 
     @torch.no_grad()
@@ -310,22 +315,22 @@ class DraftModelTokenDrafter(TokenDrafterBase):
         return self.drafter.draft(list(request_ids), tree)
 
     def _catch_up(self, rid) -> None:
-        """Bring the draft cache to the committed tokens: keep the common prefix (at least
-        one token is always run again, so the root's logits are fresh), run the rest."""
-        committed, fed = self.live[rid], self.fed.get(rid, [])
-        if fed == committed:
+        """Bring the draft cache to the committed tokens: keep the tokens no rollback has
+        touched since the last catch-up (at least one token is run again unless the cache
+        holds exactly the committed tokens, so the root's logits are fresh), run the rest.
+        Tokens only change by appending or by rollback, so that count is the common prefix."""
+        committed, state = self.live[rid], self.drafter.states.get(rid)
+        valid = self.valid.get(rid, 0)
+        if state is not None and valid == state.length == len(committed):
             return
-        keep = 0
-        while keep < min(len(fed), len(committed) - 1) and fed[keep] == committed[keep]:
-            keep += 1
-        state = self.drafter.states.get(rid)
         if state is None:
             from transformers import DynamicCache
 
             state = self.drafter.states[rid] = _DraftState(DynamicCache(config=self.drafter.cache_config), 0, -1,
                                                            torch.empty(0))
             self.drafter.sampled.start([rid], self.drafter.device)
+        keep = min(valid, len(committed) - 1)
         _crop(state.cache, keep)
         state.length = keep
         self.drafter._extend(state, torch.tensor(committed[keep:], dtype=torch.long))
-        self.fed[rid] = list(committed)
+        self.valid[rid] = len(committed)

@@ -83,14 +83,21 @@ def token_list(tokens) -> list[int]:
     return out
 
 
-def new_tokens(have: int, parts: Sequence[Sequence[int]]) -> list[int]:
-    """The tokens of concat(parts) past the first `have`, slicing only those."""
+def sync_tokens(drafter, request_id: Hashable, parts: Sequence[Sequence[int]], have: int) -> None:
+    """Make `drafter`, holding `have` tokens of the request, hold exactly concat(parts), of
+    which those are a prefix: roll back what the engine discarded, or prefill only the
+    new tokens (slicing only those)."""
+    total = sum(len(part) for part in parts)
+    if have > total:
+        drafter.rollback(request_id, total)
+        return
     new, offset = [], 0
     for part in parts:
         if have < offset + len(part):
             new.extend(part[max(0, have - offset):])
         offset += len(part)
-    return new
+    if new:
+        drafter.prefill(request_id, new)
 
 
 def pack_trees(roots: list[int], trees: list[tuple[list[int], list[int], list[float]]]
@@ -161,11 +168,7 @@ class TokenDrafterBase:
         del tokens[length:]
 
     def sync(self, request_id: Hashable, *parts: Sequence[int]) -> None:
-        have = len(self.live.get(request_id, ()))
-        if have > sum(len(p) for p in parts):
-            self.rollback(request_id, sum(len(p) for p in parts))
-        elif new := new_tokens(have, parts):
-            self.prefill(request_id, new)
+        sync_tokens(self, request_id, parts, len(self.live.get(request_id, ())))
 
     def length(self, request_id: Hashable) -> int:
         return len(self._tokens(request_id))

@@ -137,7 +137,7 @@ def test_token_drafter_follows_the_engine_and_drafts_what_the_drafter_does(tiny_
     drafter.extend("a", [11])
     same_as_fresh([3, 17, 99, 11])
     drafter.free("a")
-    assert "a" not in drafter.drafter.states and "a" not in drafter.fed
+    assert "a" not in drafter.drafter.states and "a" not in drafter.valid
 
 
 def test_sampled_token_drafter_returns_q(tiny_llama_path, tmp_path):

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from ..path_choice import pad_chains
-from ..token_drafters import new_tokens, pack_trees, token_list
+from ..token_drafters import pack_trees, sync_tokens, token_list
 from ..tree import TreeBatch, TreeConfig
 from .config import RetrievalConfig, config_from_fields
 from .datastore import Datastore, load_datastore
@@ -96,12 +96,7 @@ class RetrievalDrafter:
         prompt and output so far), of which what the request holds is a prefix: append
         what is new (starting the request if its id is new), forget what the engine
         discarded. Slices only the new tokens, not the whole sequence."""
-        total = sum(len(part) for part in parts)
-        have = len(self.live[request_id].tokens) if request_id in self.live else 0
-        if have > total:
-            self.rollback(request_id, total)
-        elif new := new_tokens(have, parts):
-            self.prefill(request_id, new)
+        sync_tokens(self, request_id, parts, len(self.live[request_id].tokens) if request_id in self.live else 0)
 
     def free(self, request_id: Hashable) -> None:
         """The request finished: its sequence moves into the bounded cache (unknown ids: no-op)."""
