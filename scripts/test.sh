@@ -17,6 +17,7 @@ while [ $# -gt 0 ] && [ "$1" != "--" ]; do suites+=("$1"); shift; done
 declare -A paths=([core]="tests/common tests/cuda tests/test_cli.py" [vllm]="tests/vllm" [sglang]="tests/sglang")
 reports=$(mktemp -d)
 status=0
+aborted=()
 for suite in "${suites[@]}"; do
     # shellcheck disable=SC2086
     existing=$(ls -d ${paths[$suite]} 2>/dev/null | tr '\n' ' ')
@@ -31,9 +32,11 @@ for suite in "${suites[@]}"; do
     LD_PRELOAD=$preload "$venv/bin/python" -m pytest $existing --junitxml="$reports/$suite.xml" "$@"
     rc=$?
     [ $rc -ne 0 ] && [ $rc -ne 5 ] && status=1
+    # a pytest that was killed (out of memory, a signal) writes no report: say so
+    [ -f "$reports/$suite.xml" ] || { echo "== $suite suite: pytest ended with exit code $rc and no report"; aborted+=("$suite"); }
 done
 
-python3 - "$reports" <<'PY'
+python3 - "$reports" "${aborted[@]}" <<'PY'
 import glob, sys, xml.etree.ElementTree as ET
 n = {"tests": 0, "failures": 0, "errors": 0, "skipped": 0}
 for path in glob.glob(f"{sys.argv[1]}/*.xml"):
@@ -42,6 +45,8 @@ for path in glob.glob(f"{sys.argv[1]}/*.xml"):
             n[key] += int(suite.get(key, 0))
 failed = n["failures"] + n["errors"]
 passed = n["tests"] - failed - n["skipped"]
-print(f"total: {passed} passed, {failed} failed, {n['skipped']} skipped")
+aborted = sys.argv[2:]
+print(f"total: {passed} passed, {failed} failed, {n['skipped']} skipped"
+      + (f"; suites that ended without a report: {', '.join(aborted)}" if aborted else ""))
 PY
 exit $status

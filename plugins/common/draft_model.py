@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from . import tree as tree_lib
-from .drafters import SampledDrafts
+from .drafting.sampled import SampledDrafts
 from .reference import additive_mask
 from .token_drafters import TokenDrafterBase
 from .tree import TreeBatch, TreeConfig

@@ -4,7 +4,9 @@ fed in groups of `batch_size` requests that all generate exactly `max_new_tokens
 Methods: `none` (no speculation), `ngram` (SGLang's NGRAM; on CPU its trees are verified
 through specplug's torch_native hook), `retrieval` (specplug's RETRIEVAL: the model-free
 retrieval drafter, lossless), `medusa` (specplug MEDUSA, lossless),
-`draft-model` (specplug's DRAFT_MODEL with `--draft-model DIR`, lossless),
+`draft-model` (specplug's DRAFT_MODEL with `--draft-model DIR`, lossless), `eagle3`
+(specplug's SPECPLUG_EAGLE3: an EAGLE-3 head's dynamic trees, lossless; the test bed's
+smollm2-eagle3, or `--head` when it is an EAGLE-3 head),
 `medusa-typical` (the same heads with typical acceptance, LOSSY) and `medusa-adaptive`
 (MEDUSA with adaptive speculation: `--speculative-adaptive`). With `--adaptive`, every
 MEDUSA method runs adaptive. Acceptance comes from SGLang's per-request meta_info
@@ -45,21 +47,32 @@ def make_runner(args):
     from specplug.common import testbed
 
     model = args.model or str(testbed.target_dir())
-    return SglangRunner(model, args.head or default_head(), max_new_tokens=args.max_new_tokens,
+    given = args.head
+    eagle3 = given is not None and is_eagle3_head(given)
+    return SglangRunner(model, None if eagle3 else (given or default_head()), max_new_tokens=args.max_new_tokens,
                         temperature=args.temperature, seed=args.seed,
                         max_batch=max(int(b) for b in args.batch_sizes.split(",") if b),
-                        adaptive=getattr(args, "adaptive", False), draft_model=getattr(args, "draft_model", None))
+                        adaptive=getattr(args, "adaptive", False), draft_model=getattr(args, "draft_model", None),
+                        eagle3_head=given if eagle3 else (None if given else default_head("smollm2-eagle3")))
 
 
-def default_head() -> str | None:
-    """The committed test-bed head (smollm2-medusa) as a loadable folder, if this checkout has one
-    (a compact Medusa head is materialised into the test-bed cache by testbed.head_dir)."""
+def default_head(name: str = "smollm2-medusa") -> str | None:
+    """A committed test-bed head as a loadable folder, if this checkout has one (a compact
+    Medusa head is materialised into the test-bed cache by testbed.head_dir)."""
     from specplug.common import testbed
 
     try:
-        return str(testbed.head_dir("smollm2-medusa"))
+        return str(testbed.head_dir(name))
     except ValueError:
         return None
+
+
+def is_eagle3_head(path: str) -> bool:
+    """Whether a head folder's config.json names an EAGLE-3 architecture."""
+    from pathlib import Path
+
+    config = Path(path) / "config.json"
+    return config.is_file() and any("Eagle3" in a for a in json.loads(config.read_text()).get("architectures", []))
 
 
 def engine_args(model: str, seed: int, max_batch: int) -> dict:
@@ -77,19 +90,21 @@ class SglangRunner:
     engine = "sglang"
 
     def __init__(self, model: str, head: str | None, *, max_new_tokens: int, temperature: float,
-                 seed: int, max_batch: int, adaptive: bool = False, draft_model: str | None = None):
+                 seed: int, max_batch: int, adaptive: bool = False, draft_model: str | None = None,
+                 eagle3_head: str | None = None):
         import sglang
         from transformers import AutoTokenizer
 
         self.version = sglang.__version__
         self.model, self.head = model, head
         self.max_new_tokens, self.temperature, self.seed, self.max_batch = max_new_tokens, temperature, seed, max_batch
-        self.adaptive, self.draft_model = adaptive, draft_model
+        self.adaptive, self.draft_model, self.eagle3_head = adaptive, draft_model, eagle3_head
         self.tokenizer = AutoTokenizer.from_pretrained(model)
         self._method, self._engine = None, None
 
     def methods(self) -> list[str]:
         return (["none", "ngram", "retrieval"] + (["draft-model"] if self.draft_model else [])
+                + (["eagle3"] if self.eagle3_head else [])
                 + (["medusa", "medusa-typical", "medusa-adaptive"] if self.head else []))
 
     def speculative_args(self, method: str) -> dict:
@@ -103,6 +118,10 @@ class SglangRunner:
             if self.draft_model is None:
                 raise SystemExit("specplug bench: method 'draft-model' needs --draft-model DIR")
             return {"speculative_algorithm": "DRAFT_MODEL", **DRAFT_MODEL_TREE}
+        if method == "eagle3":
+            if self.eagle3_head is None:
+                raise SystemExit("specplug bench: method 'eagle3' needs an EAGLE-3 head: --head EAGLE3_HEAD_DIR")
+            return {"speculative_algorithm": "SPECPLUG_EAGLE3", "speculative_draft_model_path": self.eagle3_head}
         if self.head is None:
             raise SystemExit(f"specplug bench: method {method!r} needs --head (a Medusa heads folder)")
         medusa = {"speculative_algorithm": "MEDUSA", "speculative_draft_model_path": self.head}

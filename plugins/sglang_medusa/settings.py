@@ -1,5 +1,6 @@
 """Settings of specplug's SGLang algorithms: server arguments -> MedusaSettings (MEDUSA,
-plus the heads' specplug section) or TokenDrafterSettings (RETRIEVAL and every other
+plus the heads' specplug section), Eagle3Settings (SPECPLUG_EAGLE3: see
+eagle3_settings_from_server_args) or TokenDrafterSettings (RETRIEVAL and every other
 registered token drafter, plus SPECPLUG_RETRIEVAL / SPECPLUG_DRAFTER; see
 token_settings_from_server_args).
 
@@ -42,7 +43,7 @@ from pathlib import Path
 from specplug.common.adaptive import adaptive_flag
 from specplug.common.retrieval.config import ENV_RETRIEVAL, retrieval_override
 from specplug.common.sampling import TYPICAL_DELTA, TYPICAL_EPSILON
-from specplug.common.token_drafters import ENV_DRAFTER, DrafterChoice, check_choice, env_choice
+from specplug.common.token_drafters import ENV_DRAFTER, DrafterChoice, check_choice, drafter_choice, env_choice
 from specplug.common.tree import TreeConfig
 
 logger = logging.getLogger(__name__)
@@ -248,6 +249,75 @@ def _drafter_fields(name: str, environ) -> dict:
               environ.get(ENV_DRAFTER), f"the algorithm chooses the drafter; set --speculative-algorithm "
               f"{other or 'NAME'} or fix the variable", name.upper())
     return dict(choice.settings)
+
+
+# -- SPECPLUG_EAGLE3: EAGLE-3 heads with dynamic trees ------------------------------------
+
+EAGLE3 = "SPECPLUG_EAGLE3"
+DRAFT_TEMPERATURE_ENV = "SPECPLUG_DRAFT_TEMPERATURE"
+
+
+@dataclass(frozen=True)
+class Eagle3Settings:
+    """What the SPECPLUG_EAGLE3 worker needs besides the head's weights: the head folder
+    and its EAGLE-2 tree (depth, topk, budget = draft nodes, root excluded)."""
+
+    head_path: str
+    tree: TreeConfig = TreeConfig()
+    drafter: DrafterChoice | None = None  # hybrid drafting: a token drafter's trees merged with the head's
+    draft_temperature: float | None = None  # batches with sampled requests: trees drawn from q at this temperature
+
+    @property
+    def num_nodes(self) -> int:
+        """Most tree nodes a step verifies, root included: SGLang's speculative_num_draft_tokens."""
+        return self.tree.budget + 1
+
+
+def eagle3_settings_from_server_args(cfg, environ=None) -> Eagle3Settings:
+    """--speculative-draft-model-path HEAD (an EAGLE-3 head, any format specplug reads);
+    the tree from --speculative-num-steps (depth), --speculative-eagle-topk (topk) and
+    --speculative-num-draft-tokens N (budget N - 1), else the head's `specplug.tree`
+    (stop_below from there only), else TreeConfig's defaults. Hybrid drafting as in vLLM:
+    the section's "retrieval" / "drafter", SPECPLUG_RETRIEVAL / SPECPLUG_DRAFTER
+    overriding (token_drafters.drafter_choice). Sampled drafts: the section's
+    "draft_temperature", SPECPLUG_DRAFT_TEMPERATURE overriding. ValueError names the
+    argument and the fix."""
+    environ = os.environ if environ is None else environ
+    path = cfg.speculative_draft_model_path
+    if not path or not (Path(path) / "config.json").is_file():
+        _fail("--speculative-draft-model-path", "an EAGLE-3 head directory (config.json + safetensors)", path,
+              "train one with `specplug train eagle3` or convert one with `specplug convert`", EAGLE3)
+    section = json.loads((Path(path) / "config.json").read_text()).get("specplug") or {}
+    base = TreeConfig.from_dict(section["tree"]) if "tree" in section else TreeConfig()
+    depth = _positive("--speculative-num-steps", _given(cfg.speculative_num_steps, base.depth), EAGLE3)
+    topk = _positive("--speculative-eagle-topk", _given(cfg.speculative_eagle_topk, base.topk), EAGLE3)
+    nodes = cfg.speculative_num_draft_tokens
+    budget = _positive("--speculative-num-draft-tokens minus one", base.budget if nodes is None else nodes - 1,
+                       EAGLE3)
+    tree = TreeConfig(depth=depth, topk=topk, budget=budget, stop_below=base.stop_below)
+    try:
+        drafter = drafter_choice(section, environ)
+        if drafter is not None:
+            check_choice(drafter)
+    except ValueError as exc:
+        raise ValueError(f"{EAGLE3}: {exc}") from exc
+    return Eagle3Settings(str(path), tree, drafter, _draft_temperature(section, environ))
+
+
+def _draft_temperature(section: dict, environ) -> float | None:
+    """SPECPLUG_DRAFT_TEMPERATURE (empty or 0: off), else the section's "draft_temperature"."""
+    text = environ.get(DRAFT_TEMPERATURE_ENV)
+    where = DRAFT_TEMPERATURE_ENV if text is not None else "specplug.draft_temperature in the head's config.json"
+    value = text if text is not None else section.get("draft_temperature")
+    if value in (None, "", "0", 0):
+        return None
+    try:
+        temperature = float(value)
+    except (TypeError, ValueError):
+        temperature = float("nan")
+    if not temperature > 0:
+        _fail(where, "a temperature > 0 (or 0 / unset: top-k trees)", value, "fix or unset it", EAGLE3)
+    return temperature
 
 
 def _positive(arg: str, value, algorithm: str = "MEDUSA") -> int:

@@ -1,11 +1,13 @@
 """specplug's algorithms as SGLang sees them: registration and argument checks.
 
-`register_medusa()` and `register_token_drafters()` call `SpeculativeAlgorithm.register(
-NAME, ...)` with `spec_algo.SpecplugSpecAlgo`, which answers the questions SGLang
-0.5.23's scheduler asks every algorithm. MEDUSA's heads read the target's last hidden
-state; every registered token drafter (specplug.common.token_drafters: "retrieval" ->
-RETRIEVAL, and any a plugin adds under the entry-point group "specplug") reads tokens
-only. None has a draft model or draft KV; the tree lives only in the verify pass's mask.
+`register_medusa()`, `register_eagle3()` and `register_token_drafters()` call
+`SpeculativeAlgorithm.register(NAME, ...)` with `spec_algo.SpecplugSpecAlgo`, which
+answers the questions SGLang 0.5.23's scheduler asks every algorithm. MEDUSA's heads read
+the target's last hidden state; SPECPLUG_EAGLE3's head the target's aux states (its small
+KV is specplug's own, dense, outside SGLang's pools); every registered token drafter
+(specplug.common.token_drafters: "retrieval" -> RETRIEVAL, and any a plugin adds under
+the entry-point group "specplug") reads tokens only. None has a draft model in SGLang's
+sense or draft KV in its pools; the tree lives only in the verify pass's mask.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import logging
 logger = logging.getLogger(__name__)
 
 NAME = "MEDUSA"
+EAGLE3 = "SPECPLUG_EAGLE3"  # SGLang's own EAGLE3 does not start on a CPU
 TOKEN_ALGORITHMS: set[str] = set()  # token drafters registered by this process (upper case)
 
 
@@ -65,6 +68,37 @@ def handle_server_args(server_args) -> None:
     if given is not None and given != settings.num_nodes:
         logger.warning("MEDUSA: --speculative-num-draft-tokens %d replaced by the tree's node count %d "
                        "(the tree cannot hold more nodes)", given, settings.num_nodes)
+    server_args.speculative_num_draft_tokens = settings.num_nodes
+    server_args.speculative_num_steps = settings.tree.depth
+    server_args.speculative_eagle_topk = settings.tree.topk
+    _synchronous_cpu_defaults(server_args, cfg)
+
+
+def validate_eagle3_args(server_args) -> None:
+    """Reject bad SPECPLUG_EAGLE3 arguments before any model loads (runs in the launching process)."""
+    from sglang.srt.arg_groups.overrides import resolving_view
+
+    from specplug.common import formats
+    from specplug.sglang_medusa.settings import eagle3_settings_from_server_args
+
+    cfg = resolving_view(server_args)
+    settings = eagle3_settings_from_server_args(cfg)
+    _check_backend(cfg, EAGLE3)
+    head = formats.load_head(settings.head_path, target_config=cfg.model_path)
+    if head.method != "eagle3":
+        raise ValueError(f"{EAGLE3}: --speculative-draft-model-path {settings.head_path} holds a {head.method} "
+                         "head, not EAGLE-3: use --speculative-algorithm MEDUSA for Medusa heads")
+    logger.info("%s: head %s, dynamic trees %s, lossless verification", EAGLE3, settings.head_path, settings.tree)
+
+
+def handle_eagle3_args(server_args) -> None:
+    """Fill the arguments the tree decides: the most nodes a step verifies, synchronous schedule."""
+    from sglang.srt.arg_groups.overrides import resolving_view
+
+    from specplug.sglang_medusa.settings import eagle3_settings_from_server_args
+
+    cfg = resolving_view(server_args)
+    settings = eagle3_settings_from_server_args(cfg)
     server_args.speculative_num_draft_tokens = settings.num_nodes
     server_args.speculative_num_steps = settings.tree.depth
     server_args.speculative_eagle_topk = settings.tree.topk
@@ -123,9 +157,21 @@ def _worker_factory(server_args):
     return MedusaWorker
 
 
+def _eagle3_worker_factory(server_args):
+    from specplug.sglang_medusa.eagle_worker import Eagle3Worker
+
+    return Eagle3Worker
+
+
 def is_specplug_algorithm(algorithm) -> bool:
     """Whether --speculative-algorithm names one of specplug's algorithms."""
-    return algorithm == NAME or algorithm in TOKEN_ALGORITHMS
+    return algorithm in (NAME, EAGLE3) or algorithm in TOKEN_ALGORITHMS
+
+
+def handle_args(algorithm: str, server_args) -> None:
+    """The server-argument handler of a specplug algorithm."""
+    handlers = {NAME: handle_server_args, EAGLE3: handle_eagle3_args}
+    handlers.get(algorithm, handle_token_args)(server_args)
 
 
 ALIAS_TARGET = "sglang.srt.arg_groups.speculative_hook._resolve_speculative_algorithm_alias"
@@ -161,8 +207,9 @@ def _config_for_medusa_heads(original, model, *args, **kwargs):
 def _skip_draft_config_for_medusa(original, speculative_algorithm, *args, **kwargs):
     """AROUND hook: SGLang parses --speculative-draft-model-path with transformers'
     AutoConfig to spot Gemma-4 drafts; Medusa heads' config.json has no model_type, so
-    for MEDUSA the name is returned as is (there is nothing to alias)."""
-    if (speculative_algorithm or "").upper() == NAME:
+    for MEDUSA and SPECPLUG_EAGLE3 the name is returned as is (there is nothing to alias,
+    and a missing folder then gets specplug's error naming the argument, not a Hub one)."""
+    if (speculative_algorithm or "").upper() in (NAME, EAGLE3):
         return speculative_algorithm
     return original(speculative_algorithm, *args, **kwargs)
 
@@ -185,6 +232,20 @@ def register_medusa() -> None:
     )(_worker_factory)
 
 
+def register_eagle3() -> None:
+    """SpeculativeAlgorithm.register("SPECPLUG_EAGLE3", ...); a second call in one process is a no-op."""
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+    from sglang.srt.speculative.spec_registry import get_spec
+
+    from specplug.sglang_medusa.spec_algo import SpecplugSpecAlgo
+
+    if get_spec(EAGLE3) is not None:
+        return
+    SpeculativeAlgorithm.register(
+        EAGLE3, supports_overlap=False, validate_server_args=validate_eagle3_args, spec_class=SpecplugSpecAlgo,
+    )(_eagle3_worker_factory)
+
+
 def register_token_drafters() -> list[str]:
     """SpeculativeAlgorithm.register(NAME.upper(), ...) for every registered token drafter
     (specplug.common.token_drafters.token_drafter_names); a name SGLang already knows is
@@ -199,7 +260,7 @@ def register_token_drafters() -> list[str]:
         algorithm = name.upper()
         if algorithm in TOKEN_ALGORITHMS:
             continue
-        if get_spec(algorithm) is not None or algorithm == NAME:
+        if get_spec(algorithm) is not None or algorithm in (NAME, EAGLE3):
             logger.warning("specplug: drafter %r not registered as SGLang algorithm %s: SGLang already has one "
                            "by that name (rename the drafter)", name, algorithm)
             continue

@@ -10,7 +10,7 @@ from specplug.sglang_medusa import spec
 
 
 class SpecplugSpecAlgo(CustomSpecAlgo):
-    """MEDUSA and every token drafter: no draft model, no draft KV, no hidden-state
+    """MEDUSA, SPECPLUG_EAGLE3 and every token drafter: no draft model, no draft KV, no hidden-state
     transfer, no top-k draft chains; the future map is SGLang's default."""
 
     def has_draft_kv(self) -> bool:
@@ -26,7 +26,7 @@ class SpecplugSpecAlgo(CustomSpecAlgo):
         return False
 
     def handle_server_args(self, server_args) -> None:
-        (spec.handle_server_args if self.name == spec.NAME else spec.handle_token_args)(server_args)
+        spec.handle_args(self.name, server_args)
 
     def create_future_map(self, device, req_to_token_pool, needs_cpu_seq_lens=True,
                           needs_confidence_relay=False):

@@ -27,6 +27,48 @@ from specplug.sglang_medusa.tree_worker import ROOT_ONLY, TreeVerifyWorker, batc
 logger = logging.getLogger(__name__)
 
 
+class SyncedTokenDrafter:
+    """A token drafter kept in step with SGLang's requests: before drafting, each
+    request's copy is synced to SGLang's committed tokens; requests SGLang never reported
+    finished (e.g. aborted) are dropped past `max_live`. Shared by TokenDrafterWorker and
+    the hybrid drafting of eagle_worker.Eagle3Worker."""
+
+    def __init__(self, drafter, max_live: int):
+        self.drafter, self.max_live = drafter, max_live
+
+    def draft(self, batch, **overrides) -> TreeBatch:
+        """Each request's tree, rooted at its last committed token (the drafter's
+        overrides: budget, max_depth, min_prob); roots alone if the drafter raises."""
+        rids = [req.rid for req in batch.reqs]
+        for req in batch.reqs:
+            self.drafter.sync(req.rid, req.origin_input_ids, req.output_ids)
+        self._forget_stale(rids)
+        roots = [req.output_ids[-1] if req.output_ids else req.origin_input_ids[-1] for req in batch.reqs]
+        return draft_or_roots(self.drafter, rids, roots, **overrides)  # candidates [B, n]
+
+    def free(self, rid) -> None:
+        self.drafter.free(rid)
+
+    def clear(self) -> None:
+        for rid in list(self.drafter.live):
+            self.drafter.free(rid)
+        self.drafter.clear_cache()
+
+    def _forget_stale(self, rids: list) -> None:
+        """Bound the live requests: past max_live, those not in this batch are freed (one
+        that comes back is synced from SGLang's tokens again)."""
+        if len(self.drafter.live) <= self.max_live:
+            return
+        current = set(rids)
+        for rid in [r for r in self.drafter.live if r not in current]:
+            self.drafter.free(rid)
+
+
+def synced_drafter(choice, cfg, vocab_size: int) -> SyncedTokenDrafter:
+    """The registered drafter `choice` built for a worker of server arguments `cfg`."""
+    return SyncedTokenDrafter(token_drafters.build(choice, vocab_size), 2 * int(cfg.max_running_requests or 48))
+
+
 class TokenDrafterWorker(TreeVerifyWorker):
     """A token drafter's drafts, lossless tree verification; SGLang builds it with the
     scheduler's worker arguments (see TreeVerifyWorker). The drafter is the registered
@@ -37,38 +79,23 @@ class TokenDrafterWorker(TreeVerifyWorker):
         name = str(cfg.speculative_algorithm).lower()
         self.settings: TokenDrafterSettings = token_settings_from_server_args(name, cfg)
         super().__init__(server_args, target_worker, self.settings.num_nodes)
-        vocab_size = self.model_runner.model_config.vocab_size
-        self.drafter = token_drafters.build(self.settings.choice, vocab_size)
-        # requests SGLang never reported finished (e.g. aborted) are dropped beyond this
-        self.max_live = 2 * int(cfg.max_running_requests or 48)
+        self.token_drafts = synced_drafter(self.settings.choice, cfg, self.model_runner.model_config.vocab_size)
         logger.info("%s worker: drafter %s, up to %d draft nodes, depth %d, lossless verification",
                     name.upper(), type(self.drafter).__name__, self.settings.budget, self.settings.max_depth)
 
+    @property
+    def drafter(self):
+        return self.token_drafts.drafter
+
     def clear_cache_pool(self):
-        for rid in list(self.drafter.live):
-            self.drafter.free(rid)
-        self.drafter.clear_cache()
+        self.token_drafts.clear()
 
     def note_request_finished(self, *, rid: str, natural_stop: bool) -> None:
-        self.drafter.free(rid)
+        self.token_drafts.free(rid)
 
     def _draft(self, batch) -> tuple[TreeBatch, dict]:
         """Each request's tree, rooted at its last committed token."""
-        rids = [req.rid for req in batch.reqs]
-        for req in batch.reqs:
-            self.drafter.sync(req.rid, req.origin_input_ids, req.output_ids)
-        self._forget_stale(rids)
-        roots = [req.output_ids[-1] if req.output_ids else req.origin_input_ids[-1] for req in batch.reqs]
-        tree = draft_or_roots(self.drafter, rids, roots)  # candidates [B, n], scores unused
+        tree = self.token_drafts.draft(batch)
         if tree.candidates.shape[1] == 1:
             return tree, ROOT_ONLY
         return tree, batch_layout(tree)
-
-    def _forget_stale(self, rids: list) -> None:
-        """Bound the live requests: past max_live, those not in this batch are freed (one
-        that comes back is synced from SGLang's tokens again)."""
-        if len(self.drafter.live) <= self.max_live:
-            return
-        current = set(rids)
-        for rid in [r for r in self.drafter.live if r not in current]:
-            self.drafter.free(rid)

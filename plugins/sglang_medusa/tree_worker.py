@@ -240,6 +240,8 @@ class TreeVerifyWorker(BaseSpecWorker):
                 top_k=info.top_ks.view(-1).repeat_interleave(n), top_p=info.top_ps.view(-1).repeat_interleave(n),
                 min_p=min_p, order="sglang")  # SGLang's own filters, in its order
             q = tree.draft_probs if self.method == "rejection" else None  # sampled drafts: verify with q
+            if q is not None:
+                q = _vocab_width(q.to(p.device), p.shape[-1])
             verdict = sampling.verify(
                 tree.candidates, parents, p.view(bs, n, -1), q, method=self.method, num_nodes=num_nodes,
                 generators=[self.generator] * bs, typical_epsilon=self.typical_epsilon,
@@ -268,6 +270,14 @@ class TreeVerifyWorker(BaseSpecWorker):
         kept = accept_index >= 0
         predict[accept_index[kept].long()] = accept_tokens[kept]
         return accept_index, predict, accept_tokens
+
+
+def _vocab_width(q: torch.Tensor, vocab: int) -> torch.Tensor:
+    """q [B, N, V'] on the logits' vocabulary width: SGLang pads the LM head's rows, and
+    a drafter's q covers the tokenizer's vocabulary (padding columns get 0)."""
+    if q.shape[-1] >= vocab:
+        return q[..., :vocab]
+    return torch.nn.functional.pad(q, (0, vocab - q.shape[-1]))
 
 
 def root_only_batch(roots: torch.Tensor) -> TreeBatch:

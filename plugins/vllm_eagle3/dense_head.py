@@ -1,4 +1,5 @@
-"""Runs vLLM's loaded EAGLE-3 draft layer in plain torch with a dense key/value cache and
+"""The vLLM side of the drafting seam (specplug.common.drafting.runner.HeadRunner):
+runs vLLM's loaded EAGLE-3 draft layer in plain torch with a dense key/value cache and
 an arbitrary boolean attention mask (which vLLM's paged draft attention cannot take).
 
 Every sub-module except the attention op is vLLM's own (`Eagle3LlamaForCausalLM` as
@@ -8,30 +9,15 @@ is the chain vLLM's built-in EAGLE-3 drafts, up to the attention kernel's roundi
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 import torch.nn.functional as F
 
-
-class DraftStep(NamedTuple):
-    logprobs: torch.Tensor  # [T or R, draft_vocab] draft log-probs of the NEXT token (see token_map, logit_rows)
-    hidden: torch.Tensor  # [T, H] pre-norm output: the `hidden` input of a child step
-    key: torch.Tensor  # [T, kv_heads, head_dim] keys of the T inputs (after RoPE)
-    value: torch.Tensor  # [T, kv_heads, head_dim]
-
-
-class Segment(NamedTuple):
-    """One request's rows in a batched head step."""
-
-    rows: slice  # its rows among the step's T rows
-    past_key: torch.Tensor  # [S, kv_heads, head_dim] what those rows may attend to before them
-    past_value: torch.Tensor
-    mask: torch.Tensor  # Bool [rows, S + rows]: row t may attend to column j
+from specplug.common.drafting.runner import DraftStep, Segment
 
 
 class DenseEagle3Head:
-    """One EAGLE-3 midlayer step over T inputs with caller-owned dense KV.
+    """HeadRunner over the EAGLE-3 modules vLLM loaded: one midlayer step over T inputs
+    with caller-owned dense KV.
 
     Input at position i pairs token x_{i+1} with hidden h_i (the target's combined aux
     state for committed positions, the parent's pre-norm output inside a draft tree) and

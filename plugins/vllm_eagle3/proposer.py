@@ -11,23 +11,23 @@ in place of the runner's rejection sampler) verifies losslessly. In stage "tree"
 vLLM's target verifies the whole tree in one pass; requests whose sampling needs vLLM's
 own sampler or a grammar (sampler.needs_chain) still get a chain.
 
-Per-request draft state is a dense key/value cache of the head (positions 0..P-1 of the
-committed sequence), kept here keyed by request id and truncated to the first position
-vLLM sends in a step, so rejected tokens and preemption roll back naturally. (Appending
-copies the cache: fine for the short contexts tested here, quadratic in long ones.)
+Drafting itself is the core's (specplug.common.drafting.eagle.EagleDrafting: the head's
+per-request KV, catch-up, roll-back to the first position vLLM sends in a step, deferred
+rows, trees); this module translates vLLM's batch into `Committed` rows and the trees
+back into vLLM's draft-token tensor. The head runs through `DenseEagle3Head`, the seam
+implemented with the layers vLLM loaded.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
 
 import torch
 from vllm.v1.spec_decode.eagle import EagleProposer
 
 from specplug.vllm_eagle3.adaptive import AdaptiveController
-from specplug.vllm_eagle3.dense_head import DenseEagle3Head, Segment
+from specplug.vllm_eagle3.dense_head import DenseEagle3Head
 from specplug.vllm_eagle3.sampler import SpecplugChainSampler, needs_chain
 from specplug.vllm_eagle3.settings import (
     AdapterSettings,
@@ -37,77 +37,13 @@ from specplug.vllm_eagle3.settings import (
     specplug_section,
 )
 from specplug.common import memory, token_drafters
+from specplug.common.drafting.eagle import Committed, EagleDrafting
 from specplug.common.merge import merge_trees
 from specplug.common.path_choice import best_chains, full_budget
 from specplug.common.token_drafters import draft_or_roots
-from specplug.vllm_eagle3.tree_draft import Root, draft_trees
+from specplug.common.tree import TreeConfig
 
 logger = logging.getLogger(__name__)
-
-MAX_PENDING_ROWS = 512  # adaptive mode: a request's backlog of rows the head has not seen
-
-
-@dataclass
-class _DraftCache:
-    """Dense head KV for one request: keys/values [length, kv_heads, head_dim] at the
-    committed positions Long [length] (ascending; a gap where a backlog was dropped)."""
-
-    key: torch.Tensor
-    value: torch.Tensor
-    positions: torch.Tensor
-
-    @property
-    def length(self) -> int:
-        return self.key.shape[0]
-
-    def truncate(self, position: int) -> None:
-        """Keep the entries before `position` (vLLM rolled back the rest)."""
-        n = int(torch.searchsorted(self.positions, position))
-        self.key, self.value, self.positions = self.key[:n], self.value[:n], self.positions[:n]
-
-    def append(self, key: torch.Tensor, value: torch.Tensor, positions: torch.Tensor) -> None:
-        self.key, self.value = torch.cat([self.key, key]), torch.cat([self.value, value])
-        self.positions = torch.cat([self.positions, positions])
-
-
-@dataclass
-class _Backlog:
-    """Committed rows the head has not run yet (adaptive steps without drafts): chunks
-    of (shifted [n], positions [n], hidden [n, H]), oldest first, at most `cap` rows;
-    when more arrive the oldest are dropped, so an idle head costs no head forwards and
-    bounded memory, and its context later skips the dropped stretch (drafts stay
-    verified, so this changes acceptance only)."""
-
-    chunks: list = field(default_factory=list)
-    rows: int = 0
-
-    def cut(self, position: int) -> None:
-        """Drop rows at or past `position` (vLLM rolled them back)."""
-        while self.chunks and int(self.chunks[-1][1][0]) >= position:
-            self.rows -= self.chunks.pop()[1].shape[0]
-        if self.chunks and int(self.chunks[-1][1][-1]) >= position:
-            shifted, positions, hidden = self.chunks[-1]
-            keep = positions < position
-            self.rows -= int((~keep).sum())
-            self.chunks[-1] = (shifted[keep], positions[keep], hidden[keep])
-
-    def add(self, chunk: tuple, cap: int) -> None:
-        self.chunks.append(chunk)
-        self.rows += chunk[1].shape[0]
-        while self.rows > cap:
-            over, (shifted, positions, hidden) = self.rows - cap, self.chunks[0]
-            if over >= positions.shape[0]:
-                self.chunks.pop(0)
-                self.rows -= positions.shape[0]
-            else:
-                self.chunks[0] = (shifted[over:], positions[over:], hidden[over:])
-                self.rows -= over
-
-    def before(self, request: tuple) -> tuple:
-        """`request` (req_id, shifted, positions, hidden) with the backlog prepended."""
-        req_id, *parts = request
-        self.cut(int(parts[1][0]))
-        return (req_id, *(torch.cat([c[i] for c in self.chunks] + [parts[i]]) for i in range(3)))
 
 
 class SpecplugEagleProposer(EagleProposer):
@@ -129,11 +65,8 @@ class SpecplugEagleProposer(EagleProposer):
         if self.specplug.stage == "tree":
             from specplug.vllm_eagle3.tree_verify import check_platform
             check_platform(vllm_config)
-        self._dense_head: DenseEagle3Head | None = None
-        self._caches: dict[str, _DraftCache] = {}
+        self.drafting: EagleDrafting | None = None  # built on the loaded head at the first step
         self.adaptive: AdaptiveController | None = None
-        # adaptive mode: rows committed in steps without drafts, caught up lazily
-        self._pending: dict[str, _Backlog] = {}
         if self.specplug.adaptive:
             self.adaptive = AdaptiveController(self.num_speculative_tokens)
             logger.info("specplug adaptive speculation on: each step drafts 0..%d tokens, chosen by "
@@ -176,8 +109,8 @@ class SpecplugEagleProposer(EagleProposer):
                 num_rejected_tokens_gpu, slot_mappings,
             )
         self._last_draft_probs = None  # deterministic drafting: vLLM's target-only rule
-        if self._dense_head is None:
-            self._dense_head = DenseEagle3Head(self.model)
+        if self.drafting is None:
+            self.drafting = EagleDrafting(DenseEagle3Head(self.model))
         if self.adaptive is not None:
             self.adaptive.step_started(int(common_attn_metadata.query_start_loc_cpu[
                 common_attn_metadata.num_reqs]))
@@ -213,17 +146,16 @@ class SpecplugEagleProposer(EagleProposer):
         if self.adaptive is not None:
             depth = self.adaptive.choose_depth(len(keep)) if keep else 0
             if depth == 0:  # no drafts this step: the head catches up later, in one go
-                self._defer(requests)
+                self.drafting.defer(requests)
                 return torch.zeros(batch, 0, dtype=next_token_ids.dtype, device=next_token_ids.device)
         if keep and depth > 0 and self.tree_verifier is None:
             chains = None if self.token_drafter is None else self.token_drafter.alone(
                 [requests[i][0] for i in keep], depth)
             if chains is not None:  # the head's catch-up waits for the next step that drafts with it
                 self.drafted_alone += 1
-                self._defer(requests)
+                self.drafting.defer(requests)
                 return self._scatter(chains, [rows[i] for i in keep], batch, next_token_ids)
-        requests = [self._with_pending(r) for r in requests]
-        roots = self._catch_up(requests) if requests else []
+        roots = self.drafting.catch_up(requests) if requests else []
         if not keep or depth == 0:
             return torch.zeros(batch, depth, dtype=next_token_ids.dtype, device=next_token_ids.device)
         started = time.perf_counter()
@@ -250,7 +182,7 @@ class SpecplugEagleProposer(EagleProposer):
         step to step than with a fixed length, which costs more than the padding."""
         tree = self.specplug.tree
         budget = full_budget(depth, tree.topk, roots[0].logprobs.shape[-1])
-        trees = draft_trees(self._dense_head, roots, depth, tree.topk, budget, tree.stop_below)
+        trees = self.drafting.trees(roots, TreeConfig(depth, tree.topk, budget, tree.stop_below))
         return best_chains(self._with_token_drafts(trees, req_ids, depth, budget=None), depth)
 
     def _draft_trees(self, roots, req_ids):
@@ -258,7 +190,7 @@ class SpecplugEagleProposer(EagleProposer):
         topology recorded for the verifier; requests that need a chain (needs_chain) get
         their best path padded to N - 1 instead, recorded as nothing (= a chain)."""
         config = self.specplug.tree
-        trees = draft_trees(self._dense_head, roots, config.depth, config.topk, config.budget)
+        trees = self.drafting.trees(roots, TreeConfig(config.depth, config.topk, config.budget))
         trees = self._with_token_drafts(trees, req_ids, None, budget=config.budget)
         drafts = trees.candidates[:, 1:].clone()  # [B, N - 1]
         chained = torch.tensor([needs_chain(self.runner.requests[r].sampling_params) for r in req_ids])
@@ -314,14 +246,14 @@ class SpecplugEagleProposer(EagleProposer):
 
     def _committed_rows(self, token_ids, positions, aux_hidden, next_token_ids, attn_metadata,
                         num_rejected, discarded):
-        """(batch rows with new tokens, their (req_id, shifted [n], positions [n],
-        hidden [n, H])): what vLLM committed this step, rejected drafts cut off."""
+        """(batch rows with new tokens, their Committed rows): what vLLM committed this
+        step, rejected drafts cut off."""
         batch = attn_metadata.num_reqs
         req_ids = self.runner.input_batch.req_ids[:batch]
         starts = attn_metadata.query_start_loc_cpu[: batch + 1].tolist()
         rejected = [0] * batch if num_rejected is None else num_rejected[:batch].tolist()
         total = starts[-1]
-        hidden = self._dense_head.combine(aux_hidden[:total])  # [T, H]
+        hidden = self.drafting.runner.combine(aux_hidden[:total])  # [T, H]
         positions = positions[:total].clone()  # vLLM reuses its buffer; backlogs keep views
         shifted = token_ids[:total].clone()  # [T]: row i's committed next token ...
         shifted[:-1] = token_ids[1:total]
@@ -334,49 +266,9 @@ class SpecplugEagleProposer(EagleProposer):
                 next_tokens[b] = self.runner.requests[req_id].get_token_id(int(positions[end - 1]) + 1)
             rows.append(b)
             last.append(end - 1)
-            requests.append((req_id, shifted[start:end], positions[start:end], hidden[start:end]))
+            requests.append(Committed(req_id, shifted[start:end], positions[start:end], hidden[start:end]))
         shifted[last] = torch.tensor([next_tokens[b] for b in rows], dtype=shifted.dtype)  # ... vLLM's next token last
         return rows, requests
-
-    def _with_pending(self, request):
-        """request with the rows deferred for it prepended (rows at or past its first
-        position, i.e. rolled back by vLLM, dropped)."""
-        backlog = self._pending.pop(request[0], None)
-        return request if backlog is None else backlog.before(request)
-
-    def _defer(self, requests):
-        """Adaptive steps without drafts keep the committed rows for the next catch-up
-        (the newest MAX_PENDING_ROWS per request: _Backlog)."""
-        for req_id, shifted, positions, hidden in requests:
-            backlog = self._pending.setdefault(req_id, _Backlog())
-            backlog.cut(int(positions[0]))
-            backlog.add((shifted, positions, hidden), MAX_PENDING_ROWS)
-
-    def _catch_up(self, requests):
-        """requests: (req_id, shifted [n], positions [n], hidden [n, H]) each, where
-        shifted[i] is the committed token after position i (the last one is vLLM's next
-        token). Rolls each request's head cache back to its first new position (undoing
-        what vLLM rejected), runs ONE head step over all newly committed rows (input i
-        pairs shifted[i] with hidden i), appends the new KV, and returns a Root per request."""
-        segments, offset = [], 0
-        for req_id, tokens, positions, _ in requests:
-            cache = self._cache(req_id)
-            cache.truncate(int(positions[0]))
-            n, past = tokens.shape[0], cache.length
-            mask = torch.ones(n, past + n, dtype=torch.bool).tril(diagonal=past)
-            segments.append(Segment(slice(offset, offset + n), cache.key, cache.value, mask))
-            offset += n
-        last_rows = torch.tensor([seg.rows.stop - 1 for seg in segments])  # each request's root row
-        step = self._dense_head.step(torch.cat([r[1] for r in requests]), torch.cat([r[3] for r in requests]),
-                                     torch.cat([r[2] for r in requests]), segments, logit_rows=last_rows)
-        roots = []
-        for i, ((req_id, shifted, positions, _), seg) in enumerate(zip(requests, segments)):
-            cache = self._caches[req_id]
-            cache.append(step.key[seg.rows], step.value[seg.rows], positions)
-            last = seg.rows.stop - 1
-            roots.append(Root(int(shifted[-1]), step.logprobs[i], step.hidden[last], int(positions[-1]),
-                              cache.key, cache.value))
-        return roots
 
     def _request_params(self, batch):
         """SamplingParams of the first `batch` rows of vLLM's input batch (None where unknown)."""
@@ -399,18 +291,9 @@ class SpecplugEagleProposer(EagleProposer):
                         "stage chain (the tree's best path is verified as a chain)",
                         self.draft_model_config.model, tree.topk, self.num_speculative_tokens)
 
-    def _cache(self, req_id) -> _DraftCache:
-        if req_id not in self._caches:
-            empty = self._dense_head.empty_kv()
-            self._caches[req_id] = _DraftCache(empty, empty, torch.zeros(0, dtype=torch.long))
-        return self._caches[req_id]
-
     def _forget_finished(self):
         live = self.runner.requests
-        for req_id in [r for r in self._caches if r not in live]:
-            del self._caches[req_id]
-        for req_id in [r for r in self._pending if r not in live]:
-            del self._pending[req_id]
+        self.drafting.forget(live)
         if self.token_drafter is not None:
             for req_id in [r for r in self.token_drafter.live if r not in live]:
                 self.token_drafter.free(req_id)  # retrieval: its tokens join the cache of recent requests

@@ -84,8 +84,9 @@ PROMPT = torch.tensor([1, 40, 41, 42, 43, 44, 45, 46, 47])
 def chain_scores(drafter, rid, tokens):
     """Cumulative draft log-probs of tokens[1:] drafted one at a time from the committed state
     of `rid` (no tree machinery): the reference for a node's score."""
-    head, st = drafter.head, drafter.states[rid]
-    k, v, hidden, logprobs = st.k[None], st.v[None], st.hidden[None, None], st.logprobs
+    head, root = drafter.head, drafter.roots[rid]
+    k, v = root.key.transpose(0, 1)[None], root.value.transpose(0, 1)[None]  # [1, kvh, S, D]
+    hidden, logprobs = root.hidden[None, None], root.logprobs
     draft_ids = {int(t): i for i, t in enumerate(drafter.token_map)}
     score, scores = 0.0, []
     for tok in tokens[1:].tolist():
@@ -142,9 +143,10 @@ def test_eagle_draft_leaves_state_untouched_and_commit_equals_prefill(target, ma
     h = target_hidden(target, full, layers)
     drafter.commit([0], [torch.tensor([11, 12])], [h[len(PROMPT):]], torch.tensor([9]))
     fresh.prefill([0], [full], [h], torch.tensor([9]))
-    a, b = drafter.states[0], fresh.states[0]
-    assert a.length == b.length == len(full) and a.root_token == b.root_token == 9
-    for x, y in ((a.k, b.k), (a.v, b.v), (a.hidden, b.hidden), (a.logprobs, b.logprobs)):
+    a, b = drafter.roots[0], fresh.roots[0]
+    assert a.key.shape[0] == b.key.shape[0] == len(full) and a.token == b.token == 9
+    assert a.position == b.position == len(full) - 1
+    for x, y in ((a.key, b.key), (a.value, b.value), (a.hidden, b.hidden), (a.logprobs, b.logprobs)):
         torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-4)
 
 
@@ -177,7 +179,7 @@ def test_eagle3_drafter_errors(target):
     with pytest.raises(ValueError, match="one entry per request"):
         drafter.commit([0, 1], [torch.tensor([3])], [torch.zeros(2, 3)], torch.tensor([5]))
     drafter.release([0])
-    assert 0 not in drafter.states
+    assert 0 not in drafter.roots and drafter.drafting.length(0) == 0
 
 
 # -- EAGLE-1 (the same drafter) ---------------------------------------------------------------

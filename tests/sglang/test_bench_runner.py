@@ -21,13 +21,31 @@ def test_methods_and_their_speculative_arguments(sgl_model, medusa_heads):
     assert adaptive.speculative_args("medusa") == {**medusa, "speculative_adaptive": True}
     assert adaptive.speculative_args("medusa-typical")["speculative_adaptive"] is True
     with pytest.raises(SystemExit, match="unknown SGLang method"):
-        runner.speculative_args("eagle3")
+        runner.speculative_args("eagle2")
     no_head = SglangRunner(str(sgl_model), None, max_new_tokens=8, temperature=0.0, seed=0, max_batch=4)
     assert no_head.methods() == ["none", "ngram", "retrieval"]
     with pytest.raises(SystemExit, match="needs --head"):
         no_head.speculative_args("medusa")
+    with pytest.raises(SystemExit, match="needs an EAGLE-3 head"):
+        no_head.speculative_args("eagle3")
     with pytest.raises(SystemExit, match="needs --draft-model"):
         no_head.speculative_args("draft-model")
+
+
+def test_eagle3_method_takes_an_eagle3_head_given_as_head(sgl_model, medusa_heads):
+    from argparse import Namespace
+
+    from specplug.sglang_medusa.bench_runner import is_eagle3_head, make_runner
+    from tests.support.tiny_eagle3 import tiny_head_dir
+
+    head = tiny_head_dir(sgl_model)
+    assert is_eagle3_head(str(head)) and not is_eagle3_head(str(medusa_heads))
+    args = Namespace(model=str(sgl_model), head=str(head), max_new_tokens=8, temperature=0.0, seed=0,
+                     batch_sizes="1", adaptive=False, draft_model=None)
+    runner = make_runner(args)
+    assert runner.methods() == ["none", "ngram", "retrieval", "eagle3"]
+    assert runner.speculative_args("eagle3") == {"speculative_algorithm": "SPECPLUG_EAGLE3",
+                                                 "speculative_draft_model_path": str(head)}
 
 
 def test_draft_model_method_sets_the_drafter_only_while_its_engine_starts(sgl_model, monkeypatch):

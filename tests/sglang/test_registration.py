@@ -1,4 +1,4 @@
-"""MEDUSA and RETRIEVAL are found through the entry point, and bad arguments fail before any model loads."""
+"""MEDUSA, SPECPLUG_EAGLE3 and RETRIEVAL are found through the entry point, and bad arguments fail before any model loads."""
 
 import importlib.metadata
 import subprocess
@@ -6,7 +6,9 @@ import sys
 
 import pytest
 
-from specplug.sglang_medusa.settings import settings_from_server_args, token_settings_from_server_args
+from specplug.sglang_medusa.settings import (
+    eagle3_settings_from_server_args, settings_from_server_args, token_settings_from_server_args,
+)
 from tests.sglang.conftest import ENGINE_ARGS
 
 
@@ -24,6 +26,8 @@ def test_entry_point_registers_medusa_and_tree_attention():
     assert "TorchNativeAttnBackend.forward_extend" in " ".join(HookRegistry._patched)
     retrieval = SpeculativeAlgorithm.from_string("retrieval")
     assert retrieval.name == "RETRIEVAL" and not retrieval.has_draft_kv() and not retrieval.need_topk()
+    eagle3 = SpeculativeAlgorithm.from_string("specplug_eagle3")
+    assert eagle3.name == "SPECPLUG_EAGLE3" and not eagle3.is_eagle() and not eagle3.has_draft_kv()
 
 
 def _settings(**kw):
@@ -101,6 +105,42 @@ def test_bad_retrieval_settings_are_named(environ, kwargs, message):
         _retrieval(environ, **kwargs)
 
 
+def _eagle3(head, environ=None, **kw):
+    from types import SimpleNamespace
+
+    base = dict(speculative_draft_model_path=str(head), speculative_num_steps=None, speculative_eagle_topk=None,
+                speculative_num_draft_tokens=None)
+    return eagle3_settings_from_server_args(SimpleNamespace(**{**base, **kw}), environ or {})
+
+
+@pytest.fixture(scope="module")
+def eagle3_head(sgl_model):
+    from tests.support.tiny_eagle3 import tiny_head_dir
+
+    return tiny_head_dir(sgl_model, specplug={"version": 1, "method": "eagle3", "retrieval": True,
+                                              "tree": {"depth": 3, "topk": 2, "budget": 6, "stop_below": 0.1}})
+
+
+def test_eagle3_settings_come_from_the_heads_section_then_arguments(eagle3_head):
+    s = _eagle3(eagle3_head)
+    assert (s.tree.depth, s.tree.topk, s.tree.budget, s.tree.stop_below, s.num_nodes) == (3, 2, 6, 0.1, 7)
+    assert s.drafter.name == "retrieval" and s.draft_temperature is None
+    s = _eagle3(eagle3_head, {"SPECPLUG_RETRIEVAL": "0", "SPECPLUG_DRAFT_TEMPERATURE": "0.7"},
+                speculative_num_steps=5, speculative_eagle_topk=1, speculative_num_draft_tokens=9)
+    assert (s.tree.depth, s.tree.topk, s.tree.budget, s.drafter, s.draft_temperature) == (5, 1, 8, None, 0.7)
+
+
+@pytest.mark.parametrize("environ, kwargs, message", [
+    ({}, {"speculative_eagle_topk": 0}, "SPECPLUG_EAGLE3: --speculative-eagle-topk"),
+    ({"SPECPLUG_DRAFT_TEMPERATURE": "-1"}, {}, "SPECPLUG_DRAFT_TEMPERATURE must be a temperature > 0"),
+    ({"SPECPLUG_DRAFT_TEMPERATURE": "warm"}, {}, "SPECPLUG_DRAFT_TEMPERATURE"),
+    ({"SPECPLUG_RETRIEVAL": '{"ngarm": 3}'}, {}, "SPECPLUG_EAGLE3: .*ngarm"),
+])
+def test_bad_eagle3_settings_are_named(eagle3_head, environ, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        _eagle3(eagle3_head, environ, **kwargs)
+
+
 def test_engine_rejects_bad_arguments_before_model_load(sgl_model, medusa_heads, tmp_path):
     """The error is raised in the calling process by validate_server_args: no scheduler
     process (which loads the model) is ever started."""
@@ -121,6 +161,10 @@ def test_engine_rejects_bad_arguments_before_model_load(sgl_model, medusa_heads,
                   "speculative_draft_model_path": str(medusa_heads), **extra}
         with pytest.raises(ValueError, match=message):
             sglang.Engine(model_path=str(sgl_model), **kwargs)
+    for head, message in ((medusa_heads, "holds a medusa head, not EAGLE-3"), (tmp_path / "missing", "EAGLE-3 head")):
+        kwargs = {**ENGINE_ARGS, "speculative_algorithm": "SPECPLUG_EAGLE3", "speculative_draft_model_path": str(head)}
+        with pytest.raises(ValueError, match=message):
+            sglang.Engine(model_path=str(sgl_model), **kwargs)
 
 
 def test_launch_server_rejects_bad_arguments_before_model_load(sgl_model, medusa_heads):
@@ -131,3 +175,11 @@ def test_launch_server_rejects_bad_arguments_before_model_load(sgl_model, medusa
     assert proc.returncode != 0
     assert "at most the number of Medusa heads" in proc.stderr + proc.stdout
     assert "Load weight begin" not in proc.stderr + proc.stdout
+
+
+def test_another_sglang_version_is_refused_by_name():
+    from specplug.sglang_medusa import check_sglang_version
+
+    check_sglang_version("0.5.23")
+    with pytest.raises(RuntimeError, match="supports sglang 0.5.23, found 0.5.24: install it"):
+        check_sglang_version("0.5.24")

@@ -19,7 +19,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # VLLM_CPU_KVCACHE_SPACE (whole GiB) would override it for every engine of the session.
 os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
 
-from tests.vllm.tiny_heads import (  # noqa: E402
+from tests.support.tiny_eagle3 import (  # noqa: E402
     agreeing_head_dir,
     constant_target_dir,
     tiny_head_dir,

@@ -8,11 +8,13 @@ import torch
 
 pytest.importorskip("vllm", reason="needs the vLLM environment: bash scripts/test.sh vllm")
 
+from specplug.common.drafting.eagle import EagleDrafting
 from specplug.common.cost import AcceptanceTracker, AdaptiveConfig, Curve, StepCosts
 from specplug.vllm_eagle3.adaptive import AdaptiveController
+from specplug.vllm_eagle3.dense_head import DenseEagle3Head
 from specplug.vllm_eagle3.settings import adapter_settings
 from tests.vllm.conftest import NUM_SPEC_TOKENS, PROMPTS, SPECPLUG_CHAIN, SPECPLUG_TREE, drafter_of
-from tests.vllm.tiny_heads import tiny_head_dir
+from tests.support.tiny_eagle3 import tiny_head_dir
 
 pytestmark = pytest.mark.vllm
 
@@ -157,21 +159,19 @@ def test_bench_adaptive_head_copy_says_adaptive(specplug_head):
 
 def _roots_by_position(llm, prompt, monkeypatch):
     """{root position: (root token, draft log-probs of the first draft)} of every drafting
-    step of a greedy batch-1 run (read where the proposer hands roots to draft_trees)."""
-    from specplug.vllm_eagle3 import proposer
+    step of a greedy batch-1 run (read where the proposer hands roots to the core's trees)."""
+    seen, trees = {}, EagleDrafting.trees
 
-    seen, draft_trees = {}, proposer.draft_trees
-
-    def recording(head, roots, *args, **kwargs):
+    def recording(self, roots, *args, **kwargs):
         for root in roots:
             seen[root.position] = (root.token, root.logprobs.clone())
-        return draft_trees(head, roots, *args, **kwargs)
+        return trees(self, roots, *args, **kwargs)
 
-    monkeypatch.setattr(proposer, "draft_trees", recording)
+    monkeypatch.setattr(EagleDrafting, "trees", recording)
     try:
         out = token_ids(llm, [prompt])
     finally:
-        monkeypatch.setattr(proposer, "draft_trees", draft_trees)
+        monkeypatch.setattr(EagleDrafting, "trees", trees)
     return out, seen
 
 
@@ -202,24 +202,30 @@ def test_deferred_catch_up_keeps_the_head_in_sync(engine, target, chain_head, mo
 
 
 def test_backlog_over_the_cap_drops_its_oldest_rows(engine, target, chain_head, monkeypatch):
-    """With MAX_PENDING_ROWS = 4 an idle head keeps only each request's newest 4 rows:
+    """With a cap of 4 deferred rows an idle head keeps only each request's newest 4 rows:
     its cache skips the rest (no head forward over them), and output stays exactly the
     target's greedy output."""
-    from specplug.vllm_eagle3 import proposer
-
-    monkeypatch.setattr(proposer, "MAX_PENDING_ROWS", 4)
     llm = _forced_pattern(engine, target, monkeypatch, PATTERN)
     reference = token_ids(engine(target, chain_head), PROMPTS[2:3])
-    rows, positions = [], []
-    catch_up = proposer.SpecplugEagleProposer._catch_up
+    proposer = drafter_of(llm)
+    if proposer.drafting is None:
+        proposer.drafting = EagleDrafting(DenseEagle3Head(proposer.model))
+    drafting = proposer.drafting
+    monkeypatch.setattr(drafting, "max_pending_rows", 4)
+    rows, positions, catch_up, step = [], [], drafting.catch_up, drafting.runner.step
 
-    def recording(self, requests):
-        rows.extend(r[2].shape[0] for r in requests)
-        roots = catch_up(self, requests)
-        positions.extend(self._caches[r[0]].positions.clone() for r in requests)
+    def recording(requests):
+        roots = catch_up(requests)
+        positions.extend(drafting.caches[r.req_id].positions.clone() for r in requests)
         return roots
 
-    monkeypatch.setattr(proposer.SpecplugEagleProposer, "_catch_up", recording)
+    def counting(tokens, *args, logit_rows=None, **kwargs):  # catch-up steps ask for root rows only
+        if logit_rows is not None:
+            rows.append(tokens.shape[0])
+        return step(tokens, *args, logit_rows=logit_rows, **kwargs)
+
+    monkeypatch.setattr(drafting, "catch_up", recording)
+    monkeypatch.setattr(drafting.runner, "step", counting)
     assert token_ids(llm, PROMPTS[2:3]) == reference
     assert rows and max(rows) <= 4 + NUM_SPEC_TOKENS + 1  # a backlog of 4 plus one step's rows
     assert (positions[-1].diff() > 1).any()  # the head's context skips dropped rows

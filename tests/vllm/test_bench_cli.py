@@ -39,7 +39,7 @@ def test_bench_draft_model_rows_are_lossless(tiny_llama_path, tmp_path):
     model tree (the "draft_model" token drafter) beside none, all greedy-identical."""
     from specplug.common.draft_model import cut_draft_model
     from tests.vllm.conftest import SPECPLUG_CHAIN
-    from tests.vllm.tiny_heads import tiny_head_dir
+    from tests.support.tiny_eagle3 import tiny_head_dir
 
     draft = cut_draft_model(tiny_llama_path, "0", tmp_path / "draft")
     head = tiny_head_dir(tiny_llama_path, specplug=SPECPLUG_CHAIN)

@@ -7,7 +7,7 @@ import pytest
 
 from specplug.common import distill as D
 from tests.vllm.conftest import KV_CACHE_BYTES
-from tests.vllm.tiny_heads import tiny_target_dir
+from tests.support.tiny_eagle3 import tiny_target_dir
 
 
 @pytest.mark.timeout(600)

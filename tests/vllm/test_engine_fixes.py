@@ -13,7 +13,7 @@ pytest.importorskip("vllm", reason="needs the vLLM environment: bash scripts/tes
 
 from tests.vllm.conftest import SPECPLUG_TREE  # noqa: E402
 from tests.vllm.test_stage_a import params, token_ids  # noqa: E402
-from tests.vllm.tiny_heads import tiny_head_dir  # noqa: E402
+from tests.support.tiny_eagle3 import tiny_head_dir  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 

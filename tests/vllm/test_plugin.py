@@ -14,7 +14,7 @@ from specplug.vllm_eagle3 import check_vllm_version
 from specplug.vllm_eagle3.metrics import SpecDecodeStats, spec_decode_stats, stats_from_outputs
 from specplug.vllm_eagle3.settings import AdapterSettings, adapter_settings, specplug_section
 from tests.vllm.conftest import PROMPTS, SPECPLUG_TREE, drafter_of
-from tests.vllm.tiny_heads import tiny_head_dir
+from tests.support.tiny_eagle3 import tiny_head_dir
 
 pytestmark = pytest.mark.vllm
 

@@ -21,7 +21,7 @@ import requests  # noqa: E402
 
 from tests.vllm.conftest import PROMPTS, SPECPLUG_CHAIN  # noqa: E402
 from tests.support.servers import free_port, wait_healthy  # noqa: E402
-from tests.vllm.tiny_heads import tiny_head_dir  # noqa: E402
+from tests.support.tiny_eagle3 import tiny_head_dir  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 

@@ -12,7 +12,7 @@ pytest.importorskip("vllm", reason="needs the vLLM environment: bash scripts/tes
 
 from specplug.vllm_eagle3.metrics import stats_from_outputs
 from tests.vllm.conftest import NUM_SPEC_TOKENS, PROMPTS, drafter_of
-from tests.vllm.tiny_heads import AGREE_TOKEN, CONSTANT_TARGET_LOGITS
+from tests.support.tiny_eagle3 import AGREE_TOKEN, CONSTANT_TARGET_LOGITS
 
 pytestmark = pytest.mark.vllm
 

@@ -17,7 +17,7 @@ import torch
 
 from tests.vllm.conftest import PROMPTS, drafter_of
 from tests.vllm.test_stage_a import check_seeded_sampling, params, run, token_ids
-from tests.vllm.tiny_heads import AGREE_TOKEN, agreeing_head_dir, tiny_head_dir, two_token_head_dir
+from tests.support.tiny_eagle3 import AGREE_TOKEN, agreeing_head_dir, tiny_head_dir, two_token_head_dir
 
 pytestmark = pytest.mark.vllm
 

@@ -12,7 +12,7 @@ pytest.importorskip("vllm", reason="needs the vLLM environment: bash scripts/tes
 
 from specplug.common import train as T
 from tests.vllm.conftest import PROMPTS, drafter_of
-from tests.vllm.tiny_heads import TINY_AUX_LAYER_IDS
+from tests.support.tiny_eagle3 import TINY_AUX_LAYER_IDS
 
 pytestmark = pytest.mark.vllm
 

@@ -1,0 +1,11 @@
+"""Drafting for serving engines, engine-free: a model-backed drafter keeps its per-request
+state here and runs its network through one small seam (`runner.HeadRunner`), which
+specplug implements once with its own torch modules (`runner.TorchHeadRunner`: reference
+loop, training evaluation) and each engine adapter once with the modules the engine
+loaded (vLLM: `specplug.vllm_eagle3.dense_head.DenseEagle3Head`).
+
+- `runner`: the seam (`HeadRunner`, `Segment`, `DraftStep`) and `TorchHeadRunner`.
+- `eagle`: EAGLE-1/3 drafting state for live requests (`EagleDrafting`): head KV per
+  request, catch-up over committed rows, roll-back, deferred rows, dynamic or sampled trees.
+- `sampled`: `SampledDrafts`, trees drawn from q for every model-backed drafter.
+"""

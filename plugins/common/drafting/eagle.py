@@ -1,0 +1,229 @@
+"""EAGLE-1/3 drafting state for an engine's live requests, through a `HeadRunner`.
+
+Per request the head's key/value over the committed positions it has seen is kept
+densely here (`DraftCache`). Each step the engine hands over what it committed
+(`Committed`: the new rows, rejected drafts already cut off); `EagleDrafting.catch_up`
+rolls the cache back to the first new position (undoing a rejected step or a
+preemption), runs ONE head step over every request's new rows and returns a `Root`
+per request, from which `trees` drafts EAGLE-2 dynamic trees (or trees sampled from q).
+
+Invariant: a request's cache holds exactly the head entries of committed positions,
+ascending (a gap where a deferred backlog was dropped); drafting never changes it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Hashable, NamedTuple
+
+import torch
+
+from .. import tree as tree_lib
+from ..tree import Frontier, TreeBatch, TreeConfig
+from .runner import HeadRunner, Segment
+from .sampled import SampledDrafts
+
+MAX_PENDING_ROWS = 512  # a request's deferred rows the head has not seen (adaptive steps without drafts)
+
+
+class Committed(NamedTuple):
+    """One request's rows committed since the head last saw it."""
+
+    req_id: Hashable
+    shifted: torch.Tensor  # Long [n]: the committed token after each position; the last = the new root
+    positions: torch.Tensor  # Long [n] ascending
+    hidden: torch.Tensor  # [n, H] the target's combined states at those positions (runner.combine)
+
+
+class Root(NamedTuple):
+    """One request's last committed position, as the head's catch-up step left it."""
+
+    token: int  # the root token (last committed, not yet seen by the target)
+    logprobs: torch.Tensor  # [draft_vocab] draft log-probs of the first draft token
+    hidden: torch.Tensor  # [H] head pre-norm output: hidden input of the root's children
+    position: int  # position of the root's KV entry (the last entry of the cache)
+    key: torch.Tensor  # [S, kv_heads, head_dim] committed head KV, root's entry last
+    value: torch.Tensor
+
+
+@dataclass
+class DraftCache:
+    """Dense head KV for one request: keys/values [length, kv_heads, head_dim] at the
+    committed positions Long [length] (ascending; a gap where a backlog was dropped).
+    Appending copies the cache: cheap for the contexts served here (a one-layer head's
+    KV), quadratic in very long ones."""
+
+    key: torch.Tensor
+    value: torch.Tensor
+    positions: torch.Tensor
+
+    @property
+    def length(self) -> int:
+        return self.key.shape[0]
+
+    def truncate(self, position: int) -> None:
+        """Keep the entries before `position` (the engine rolled back the rest)."""
+        n = int(torch.searchsorted(self.positions, position))
+        self.key, self.value, self.positions = self.key[:n], self.value[:n], self.positions[:n]
+
+    def append(self, key: torch.Tensor, value: torch.Tensor, positions: torch.Tensor) -> None:
+        self.key, self.value = torch.cat([self.key, key]), torch.cat([self.value, value])
+        self.positions = torch.cat([self.positions, positions.to(self.positions.device)])
+
+
+@dataclass
+class Backlog:
+    """Committed rows the head has not run yet (steps without drafts): Committed chunks,
+    oldest first, at most `cap` rows; when more arrive the oldest are dropped, so an
+    idle head costs no head forwards and bounded memory, and its context later skips
+    the dropped stretch (drafts stay verified, so this changes acceptance only)."""
+
+    chunks: list = field(default_factory=list)
+    rows: int = 0
+
+    def cut(self, position: int) -> None:
+        """Drop rows at or past `position` (the engine rolled them back)."""
+        while self.chunks and int(self.chunks[-1].positions[0]) >= position:
+            self.rows -= self.chunks.pop().positions.shape[0]
+        if self.chunks and int(self.chunks[-1].positions[-1]) >= position:
+            last = self.chunks[-1]
+            keep = last.positions < position
+            self.rows -= int((~keep).sum())
+            self.chunks[-1] = _rows(last, keep)
+
+    def add(self, chunk: Committed, cap: int) -> None:
+        self.chunks.append(chunk)
+        self.rows += chunk.positions.shape[0]
+        while self.rows > cap:
+            over, oldest = self.rows - cap, self.chunks[0]
+            if over >= oldest.positions.shape[0]:
+                self.chunks.pop(0)
+                self.rows -= oldest.positions.shape[0]
+            else:
+                self.chunks[0] = _rows(oldest, slice(over, None))
+                self.rows -= over
+
+    def before(self, request: Committed) -> Committed:
+        """`request` with the backlog prepended."""
+        self.cut(int(request.positions[0]))
+        parts = self.chunks + [request]
+        return Committed(request.req_id, *(torch.cat([c[i] for c in parts]) for i in (1, 2, 3)))
+
+
+def _rows(chunk: Committed, index) -> Committed:
+    return Committed(chunk.req_id, chunk.shifted[index], chunk.positions[index], chunk.hidden[index])
+
+
+class EagleDrafting:
+    """Head caches, deferred rows and tree drafting for an engine's live requests."""
+
+    def __init__(self, runner: HeadRunner, max_pending_rows: int | None = None):
+        self.runner = runner
+        self.max_pending_rows = MAX_PENDING_ROWS if max_pending_rows is None else max_pending_rows
+        self.caches: dict[Hashable, DraftCache] = {}
+        self.pending: dict[Hashable, Backlog] = {}
+
+    def catch_up(self, requests: list[Committed]) -> list[Root]:
+        """Roll each request's cache back to its first new position (what the engine
+        rejected), run ONE head step over all newly committed rows (deferred ones first;
+        input i pairs shifted[i] with hidden i), append the new KV; a Root per request."""
+        requests = [self._with_pending(r) for r in requests]
+        segments, offset = [], 0
+        for request in requests:
+            cache = self.cache(request.req_id)
+            cache.truncate(int(request.positions[0]))
+            n, past = request.positions.shape[0], cache.length
+            mask = torch.ones(n, past + n, dtype=torch.bool).tril(diagonal=past)
+            segments.append(Segment(slice(offset, offset + n), cache.key, cache.value, mask))
+            offset += n
+        last_rows = torch.tensor([seg.rows.stop - 1 for seg in segments])  # each request's root row
+        step = self.runner.step(torch.cat([r.shifted for r in requests]), torch.cat([r.hidden for r in requests]),
+                                torch.cat([r.positions for r in requests]), segments, logit_rows=last_rows)
+        roots = []
+        for i, (request, seg) in enumerate(zip(requests, segments)):
+            cache = self.caches[request.req_id]
+            cache.append(step.key[seg.rows], step.value[seg.rows], request.positions)
+            roots.append(Root(int(request.shifted[-1]), step.logprobs[i], step.hidden[seg.rows.stop - 1],
+                              int(request.positions[-1]), cache.key, cache.value))
+        return roots
+
+    def defer(self, requests: list[Committed]) -> None:
+        """Keep the committed rows for the next catch-up (the newest max_pending_rows
+        per request: Backlog)."""
+        for request in requests:
+            backlog = self.pending.setdefault(request.req_id, Backlog())
+            backlog.cut(int(request.positions[0]))
+            backlog.add(request, self.max_pending_rows)
+
+    def trees(self, roots: list[Root], tree: TreeConfig, sampled: SampledDrafts | None = None,
+              request_ids=()) -> TreeBatch:
+        """EAGLE-2 dynamic trees (`tree`'s depth, topk, budget, stop_below) from each root,
+        or, with `sampled` on, trees drawn from q; a node at depth d runs at position
+        root.position + d and attends to its request's cache plus its ancestors."""
+        expand = TreeExpander(self.runner, roots)
+        token_map = self.runner.token_map
+        device = roots[0].logprobs.device
+        root_tokens = torch.tensor([r.token for r in roots], device=device)
+        root_logprobs = torch.stack([r.logprobs for r in roots])  # [B, draft_vocab]
+        if sampled is not None and sampled.on:
+            return sampled.draft(expand, root_tokens, root_logprobs, tree, request_ids, token_map=token_map,
+                                 vocab_size=getattr(self.runner, "vocab_size", None))
+        return tree_lib.dynamic(expand, root_tokens, root_logprobs, depth=tree.depth, topk=tree.topk,
+                                budget=tree.budget, token_map=token_map, stop_below=tree.stop_below)
+
+    def cache(self, req_id) -> DraftCache:
+        if req_id not in self.caches:
+            empty = self.runner.empty_kv()
+            self.caches[req_id] = DraftCache(empty, empty, torch.zeros(0, dtype=torch.long))
+        return self.caches[req_id]
+
+    def length(self, req_id) -> int:
+        """Head entries a request holds (0 when unknown)."""
+        cache = self.caches.get(req_id)
+        return 0 if cache is None else cache.length
+
+    def free(self, request_ids) -> None:
+        for req_id in request_ids:
+            self.caches.pop(req_id, None)
+            self.pending.pop(req_id, None)
+
+    def forget(self, live) -> None:
+        """Free every request not in `live` (the engine finished or dropped it)."""
+        self.free([r for r in list(self.caches) + list(self.pending) if r not in live])
+
+    def _with_pending(self, request: Committed) -> Committed:
+        backlog = self.pending.pop(request.req_id, None)
+        return request if backlog is None else backlog.before(request)
+
+
+class TreeExpander:
+    """The `expand` callback of tree.dynamic / tree.sampled for one draft: one head step
+    per frontier over every request's frontier nodes, each attending to its request's
+    committed cache plus the frontier nodes drafted so far (kept here, in call order)."""
+
+    def __init__(self, runner: HeadRunner, roots: list[Root]):
+        self.runner, self.roots = runner, roots
+        self.tree_kv = [(r.key[:0], r.value[:0]) for r in roots]  # frontier KV, in call order
+        self.hidden = [r.hidden[None] for r in roots]  # [F_prev, H] the previous call's outputs
+
+    def __call__(self, front: Frontier) -> torch.Tensor:
+        """-> draft log-probs [B, F, draft_vocab] of the token after each frontier node."""
+        batch, width = front.tokens.shape  # [B, F]
+        segments = []
+        for b, root in enumerate(self.roots):
+            tree_key, tree_value = self.tree_kv[b]
+            context = root.key.shape[0] - 1  # committed entries before the root's
+            mask = torch.cat([front.expanded_mask[b].new_ones(width, context),
+                              front.expanded_mask[b]], dim=1)  # [F, S + E - 1]
+            segments.append(Segment(slice(b * width, (b + 1) * width), torch.cat([root.key, tree_key]),
+                                    torch.cat([root.value, tree_value]), mask))
+        parent_hidden = torch.cat([self.hidden[b][front.parent_slot[b]] for b in range(batch)])  # [B*F, H]
+        root_positions = torch.tensor([r.position for r in self.roots], device=front.positions.device)
+        positions = (root_positions[:, None] + front.positions).flatten()
+        step = self.runner.step(front.tokens.flatten(), parent_hidden, positions, segments)
+        for b in range(batch):
+            rows = slice(b * width, (b + 1) * width)
+            tree_key, tree_value = self.tree_kv[b]
+            self.tree_kv[b] = (torch.cat([tree_key, step.key[rows]]), torch.cat([tree_value, step.value[rows]]))
+            self.hidden[b] = step.hidden[rows]
+        return step.logprobs.view(batch, width, -1)  # [B, F, draft_vocab]

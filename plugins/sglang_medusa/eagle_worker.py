@@ -1,0 +1,201 @@
+"""SPECPLUG_EAGLE3: EAGLE-3 heads with EAGLE-2 dynamic trees in SGLang 0.5.23 (whose own
+EAGLE-3 does not start on a CPU).
+
+The step is tree_worker.TreeVerifyWorker's; drafting is the core's, the same code the
+vLLM adapter and the reference loop run: specplug.common.drafting.eagle.EagleDrafting
+(the head's KV per request, catch-up over committed rows, roll-back, trees) through
+drafting.runner.TorchHeadRunner over specplug's own Eagle3Head module. This worker only
+translates SGLang's batches into `Committed` rows:
+
+- prefill (each chunk): the target's aux states of the extend tokens (SGLang captures
+  them, `capture_aux_states`) paired with the token after each position;
+- verify: the aux states of the accepted path's nodes, paired with the emitted tokens.
+
+Sampled drafts (the head's "draft_temperature" or SPECPLUG_DRAFT_TEMPERATURE): in a batch
+with a sampled request, each request's tree is `budget // depth` chains drawn from
+q = softmax(draft log-probs / T) (SpecInfer; specplug.common.drafting.sampled), carrying
+q per node, and verified with it (method "rejection"); all-greedy batches keep top-k trees.
+
+Hybrid drafting, as in vLLM: when the head's section (or SPECPLUG_RETRIEVAL /
+SPECPLUG_DRAFTER) names a token drafter, its trees are merged with the head's under the
+same node budget (specplug.common.merge.merge_trees).
+
+A request whose head state does not match SGLang's (its root token or position differs,
+e.g. right after a retraction) verifies its root alone that step; its drafts resume after
+the next catch-up.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from sglang.srt.arg_groups.overrides import resolving_view
+from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode
+
+from specplug.common.drafting.eagle import Committed, EagleDrafting, Root
+from specplug.common.drafting.runner import TorchHeadRunner
+from specplug.common.drafting.sampled import SampledDrafts
+from specplug.common.merge import merge_trees
+from specplug.common.tree import DraftTree, TreeBatch, TreeConfig, stack_trees
+from specplug.sglang_medusa.settings import Eagle3Settings, eagle3_settings_from_server_args
+from specplug.sglang_medusa.token_worker import synced_drafter
+from specplug.sglang_medusa.tree_worker import TreeVerifyWorker, batch_layout
+
+logger = logging.getLogger(__name__)
+
+
+def capture_aux_states(model, layer_ids) -> None:
+    """Make SGLang's Llama-family `model` return the inputs of layers `layer_ids`
+    (Hugging Face's hidden_states[i], specplug's aux convention) as its captured hidden
+    states, concatenated. The one place this adapter touches SGLang's capture fields;
+    SGLang's own set_eagle3_layers_to_capture shifts ids by one (EAGLE's convention)."""
+    if not hasattr(model, "capture_aux_hidden_states") or not hasattr(model.model, "layers_to_capture"):
+        raise ValueError(f"{type(model).__name__} cannot capture aux hidden states in SGLang 0.5.23: "
+                         "SPECPLUG_EAGLE3 needs a Llama-family target")
+    model.capture_aux_hidden_states = True
+    model.model.layers_to_capture = [int(i) for i in layer_ids]
+
+
+class Eagle3Worker(TreeVerifyWorker):
+    """EAGLE-3 trees over the target's aux hidden states; SGLang builds it with the
+    scheduler's worker arguments (see TreeVerifyWorker)."""
+
+    prefill_capture = CaptureHiddenMode.FULL
+    verify_capture = CaptureHiddenMode.FULL
+
+    def __init__(self, server_args, gpu_id: int, nccl_port: int, target_worker):
+        cfg = resolving_view(server_args)
+        super().__init__(server_args, target_worker, int(cfg.speculative_num_draft_tokens))
+        self.settings: Eagle3Settings = eagle3_settings_from_server_args(cfg)
+        head = self._load_head()
+        self.drafting = EagleDrafting(TorchHeadRunner(head))
+        self.roots: dict[str, Root] = {}  # each request's last catch-up
+        self.sampled = SampledDrafts(self.settings.draft_temperature)
+        tree = self.settings.tree
+        self.sampled_tree = TreeConfig(tree.depth, max(1, tree.budget // tree.depth), tree.budget)  # fits the budget
+        self.token_drafts = None  # hybrid drafting: a SyncedTokenDrafter, or None
+        if self.settings.drafter is not None:
+            self.token_drafts = synced_drafter(self.settings.drafter, cfg, self.model_runner.model_config.vocab_size)
+        layers = head.config.resolved_aux_layer_ids(self.model_runner.model_config.hf_config.num_hidden_layers)
+        capture_aux_states(self.model_runner.model, layers)
+        logger.info("SPECPLUG_EAGLE3 worker: head %s, aux layers %s, dynamic trees %s (up to %d nodes)%s, "
+                    "lossless verification", self.settings.head_path, list(layers), self.settings.tree,
+                    self.num_nodes, "" if self.token_drafts is None else
+                    f", merged with drafter {self.settings.drafter.name!r}")
+
+    def _load_head(self):
+        from specplug.common.formats import load_head_module
+
+        head = load_head_module(self.settings.head_path, target_config=self.server_args.model_path,
+                                device=self.device, dtype=self.model_runner.model_config.dtype).eval()
+        if type(head).__name__ != "Eagle3Head":
+            raise ValueError(f"SPECPLUG_EAGLE3: --speculative-draft-model-path {self.settings.head_path} holds a "
+                             f"{type(head).__name__}, not an EAGLE-3 head: use MEDUSA for Medusa heads")
+        if not hasattr(head, "embed_tokens"):  # share the target's embedding (no copy)
+            weight = self.model_runner.model.model.embed_tokens.weight[: head.config.vocab_size]
+            head.set_target_embedding(torch.nn.Embedding.from_pretrained(weight, freeze=True))
+        return head
+
+    def clear_cache_pool(self):
+        self.drafting.free(list(self.drafting.caches))
+        self.roots.clear()
+        if self.token_drafts is not None:
+            self.token_drafts.clear()
+
+    def note_request_finished(self, *, rid: str, natural_stop: bool) -> None:
+        self.drafting.free([rid])
+        self.roots.pop(rid, None)
+        if self.token_drafts is not None:
+            self.token_drafts.free(rid)
+
+    # ------------------------------------------------------------------ committed rows
+
+    def _prefilled(self, batch, result) -> None:
+        """Each request's extend tokens at positions prefix .. prefix + n - 1, paired with
+        the token after each (the prompt's next one; after the prompt, the sampled one)."""
+        aux = result.logits_output.hidden_states  # [sum n, 3 * H_target]
+        if aux is None:
+            return
+        hidden = self.drafting.runner.combine(aux)  # [sum n, H]
+        sampled = result.next_token_ids.tolist()
+        requests, offset = [], 0
+        for i, req in enumerate(batch.reqs):
+            start, n = int(batch.prefix_lens[i]), int(batch.extend_lens[i])
+            known = list(req.origin_input_ids) + list(req.output_ids)
+            after = known[start + 1:start + n] + [known[start + n] if start + n < len(known) else sampled[i]]
+            requests.append(Committed(req.rid, torch.tensor(after), torch.arange(start, start + n),
+                                      hidden[offset:offset + n]))
+            offset += n
+        self._catch_up(requests)
+
+    def _commit(self, batch, tree: TreeBatch, verdict, hidden: torch.Tensor) -> None:
+        """The accepted path's nodes at positions seq_len .. seq_len + m, each paired with
+        the token emitted after it (the next accepted node's, then the bonus)."""
+        bs, n = tree.candidates.shape
+        emitted = verdict.output_tokens(tree.candidates.to(verdict.accepted_nodes.device))  # [B, D+1]
+        accepted = verdict.num_accepted.tolist()
+        seq_lens = batch.seq_lens.tolist()
+        rows = torch.cat([b * n + verdict.accepted_nodes[b, :accepted[b] + 1] for b in range(bs)])
+        combined = self.drafting.runner.combine(hidden[rows.to(hidden.device)])  # [sum m + 1, H]
+        requests, offset = [], 0
+        for b, req in enumerate(batch.reqs):
+            m = accepted[b] + 1
+            requests.append(Committed(req.rid, emitted[b, :m].cpu(), torch.arange(seq_lens[b], seq_lens[b] + m),
+                                      combined[offset:offset + m]))
+            offset += m
+        self._catch_up(requests)
+
+    def _catch_up(self, requests) -> None:
+        with torch.inference_mode():
+            self.roots.update(zip((r.req_id for r in requests), self.drafting.catch_up(requests)))
+
+    # ------------------------------------------------------------------ drafting
+
+    def _draft(self, batch) -> tuple[TreeBatch, dict]:
+        """One tree per request from its root: the head's, merged with the token
+        drafter's when hybrid; [B, n] with n <= num_nodes."""
+        if self.sampled.on and not batch.sampling_info.is_all_greedy:
+            return self._sampled_trees(batch)
+        trees = self._head_trees(batch)
+        if self.token_drafts is not None:
+            found = self.token_drafts.draft(batch, max_depth=self.settings.tree.depth)
+            trees = merge_trees([trees, found], self.settings.tree.budget)
+        return trees, batch_layout(trees)
+
+    def _sampled_trees(self, batch) -> tuple[TreeBatch, dict]:
+        """Chains drawn from q with q per node, when every request's head state is in
+        step; else top-k trees (verified with the target-only rule: still lossless)."""
+        roots, usable = self._roots(batch)
+        if not all(usable):
+            trees = self._head_trees(batch)
+            return trees, batch_layout(trees)
+        with torch.inference_mode():
+            trees = self.drafting.trees(roots, self.sampled_tree, self.sampled, [req.rid for req in batch.reqs])
+        return trees, batch_layout(trees)
+
+    def _roots(self, batch) -> tuple[list, list[bool]]:
+        """Each request's Root (or None) and whether it is in step with SGLang's request
+        (same root token, at position seq_len - 1)."""
+        last = [req.output_ids[-1] for req in batch.reqs]
+        roots = [self.roots.get(req.rid) for req in batch.reqs]
+        seq_lens = batch.seq_lens.tolist()
+        return roots, [r is not None and r.token == t and r.position == s - 1 for r, t, s in zip(roots, last, seq_lens)]
+
+    def _head_trees(self, batch) -> TreeBatch:
+        """EAGLE-2 trees; a request whose head state is out of step with SGLang's (see
+        the module docstring) gets its root alone."""
+        last = [req.output_ids[-1] for req in batch.reqs]
+        roots, usable = self._roots(batch)
+        if not any(usable):
+            return stack_trees([_root_only(t) for t in last])
+        with torch.inference_mode():
+            drafted = self.drafting.trees([r for r, ok in zip(roots, usable) if ok], self.settings.tree)
+        if not all(usable):
+            drafted_rows = iter(drafted.unbind())
+            drafted = stack_trees([next(drafted_rows) if ok else _root_only(t) for ok, t in zip(usable, last)])
+        return drafted
+
+
+def _root_only(token: int) -> DraftTree:
+    return DraftTree(torch.tensor([int(token)]), torch.tensor([-1]), torch.zeros(1))  # score 0 = log 1: mergeable

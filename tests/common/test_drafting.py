@@ -1,0 +1,95 @@
+"""The engine drafting state (drafting.eagle.EagleDrafting) through the runner seam
+(drafting.runner.TorchHeadRunner), on the tiny Llama: a batched step equals one step per
+request, a catch-up after an engine roll-back equals never having seen the rolled-back
+rows, deferred rows equal catching up every step, the backlog cap drops the oldest rows,
+and forget frees finished requests."""
+
+import pytest
+import torch
+
+from specplug.common.drafting.eagle import Committed, EagleDrafting
+from specplug.common.drafting.runner import Segment, TorchHeadRunner
+from specplug.common.tree import TreeConfig
+from tests.common.test_drafters import one_thread, random_eagle3_head, target, target_hidden  # noqa: F401
+
+TEXT = torch.tensor([1, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50])
+
+
+@pytest.fixture(scope="module")
+def runner(target):
+    return TorchHeadRunner(random_eagle3_head(target))
+
+
+@pytest.fixture(scope="module")
+def hidden(target, runner):
+    """[len(TEXT), H]: the head's combined target states over TEXT."""
+    layers = runner.head.config.resolved_aux_layer_ids(target.config.num_hidden_layers)
+    return runner.combine(target_hidden(target, TEXT, layers))
+
+
+def rows(req_id, hidden, start, stop):
+    """Committed rows start..stop-1 of TEXT: token after position i is TEXT[i + 1]."""
+    return Committed(req_id, TEXT[start + 1:stop + 1], torch.arange(start, stop), hidden[start:stop])
+
+
+def assert_same_root(a, b):
+    assert a.token == b.token and a.position == b.position
+    for x, y in ((a.key, b.key), (a.value, b.value), (a.hidden, b.hidden), (a.logprobs, b.logprobs)):
+        torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-4)
+
+
+def test_batched_step_equals_one_step_per_request(runner, hidden):
+    past = runner.step(TEXT[1:5], hidden[:4], torch.arange(4),
+                       [Segment(slice(0, 4), runner.empty_kv(), runner.empty_kv(), torch.ones(4, 4).tril().bool())])
+    seg_a = Segment(slice(0, 3), past.key, past.value, torch.ones(3, 7).tril(diagonal=4).bool())
+    seg_b = Segment(slice(3, 5), runner.empty_kv(), runner.empty_kv(), torch.ones(2, 2).tril().bool())
+    tokens, states = torch.cat([TEXT[5:8], TEXT[1:3]]), torch.cat([hidden[4:7], hidden[:2]])
+    positions = torch.cat([torch.arange(4, 7), torch.arange(2)])
+    both = runner.step(tokens, states, positions, [seg_a, seg_b._replace(rows=slice(3, 5))])
+    one_a = runner.step(tokens[:3], states[:3], positions[:3], [seg_a])
+    one_b = runner.step(tokens[3:], states[3:], positions[3:], [seg_b._replace(rows=slice(0, 2))])
+    for field in ("logprobs", "hidden", "key", "value"):
+        torch.testing.assert_close(getattr(both, field), torch.cat([getattr(one_a, field), getattr(one_b, field)]),
+                                   rtol=1e-3, atol=1e-3)  # batched matmuls round differently
+
+
+def test_catch_up_after_rollback_equals_a_fresh_request(runner, hidden):
+    drafting, fresh = EagleDrafting(runner), EagleDrafting(runner)
+    drafting.catch_up([rows("a", hidden, 0, 8)])
+    (rolled,) = drafting.catch_up([rows("a", hidden, 5, 10)])  # the engine discarded positions 5..7
+    (want,) = fresh.catch_up([rows("a", hidden, 0, 10)])
+    assert_same_root(rolled, want)
+    assert drafting.caches["a"].positions.tolist() == list(range(10))
+
+
+def test_deferred_rows_equal_catching_up_every_step(runner, hidden):
+    deferred, eager = EagleDrafting(runner), EagleDrafting(runner)
+    for start, stop in ((0, 4), (4, 6), (6, 9)):
+        eager.catch_up([rows("a", hidden, start, stop)])
+    deferred.catch_up([rows("a", hidden, 0, 4)])
+    deferred.defer([rows("a", hidden, 4, 7)])
+    deferred.defer([rows("a", hidden, 6, 8)])  # a step that rolled back position 6 of the last one
+    deferred.catch_up([rows("a", hidden, 8, 9)])
+    (want,) = eager.catch_up([rows("a", hidden, 9, 10)])
+    (root,) = deferred.catch_up([rows("a", hidden, 9, 10)])
+    assert_same_root(root, want)
+    a, b = deferred.trees([root], TreeConfig(3, 2, 5)), eager.trees([want], TreeConfig(3, 2, 5))
+    assert torch.equal(a.candidates, b.candidates) and torch.equal(a.parents, b.parents)
+
+
+def test_backlog_cap_keeps_the_newest_rows(runner, hidden):
+    drafting = EagleDrafting(runner, max_pending_rows=3)
+    drafting.catch_up([rows("a", hidden, 0, 2)])
+    drafting.defer([rows("a", hidden, 2, 5)])
+    drafting.defer([rows("a", hidden, 5, 8)])
+    assert drafting.pending["a"].rows == 3
+    drafting.catch_up([rows("a", hidden, 8, 9)])
+    assert drafting.caches["a"].positions.tolist() == [0, 1, 5, 6, 7, 8]  # 2..4 dropped: a gap
+
+
+def test_forget_frees_what_the_engine_dropped(runner, hidden):
+    drafting = EagleDrafting(runner)
+    drafting.catch_up([rows("a", hidden, 0, 3), rows("b", hidden, 0, 4)])
+    drafting.defer([rows("b", hidden, 4, 5)])
+    drafting.forget({"a"})
+    assert set(drafting.caches) == {"a"} and not drafting.pending and drafting.length("b") == 0

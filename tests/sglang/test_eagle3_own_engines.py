@@ -1,0 +1,37 @@
+"""SPECPLUG_EAGLE3 engines a test starts and shuts down itself, one at a time (see
+test_eagle3_engine.py for the rest). They live in their own module because shutting an
+SGLang engine down kills every scheduler of the process (SGLang's kill_process_tree): a
+module-scoped engine alive at that moment would die, and its watchdog takes the test
+process with it."""
+
+from tests.sglang.conftest import GREEDY, SAMPLE_PROMPT, SAMPLED, SAMPLES, generate_ids, sglang_engine
+from tests.sglang.test_eagle3_engine import ALGORITHM, assert_equals_reference, eagle3_head, reference_run  # noqa: F401
+from tests.sglang.test_medusa_engine import ALPHA, POSITIONS, homogeneity_pvalue
+from tests.support.tiny_eagle3 import TWO_DRAFT_TOKENS, constant_target_dir, two_token_head_dir
+
+
+def test_sampled_drafts_at_t08_match_no_speculation(sgl_model, eagle3_head, baseline, monkeypatch):
+    """Drafts drawn from q at T 0.8 (SPECPLUG_DRAFT_TEMPERATURE), verified with q: the
+    tokens still follow the target's distribution."""
+    monkeypatch.setenv("SPECPLUG_DRAFT_TEMPERATURE", "0.8")
+    with sglang_engine(sgl_model, speculative_algorithm=ALGORITHM,
+                       speculative_draft_model_path=str(eagle3_head)) as engine:
+        outs = generate_ids(engine, [SAMPLE_PROMPT] * SAMPLES, SAMPLED)
+    assert all(o["meta_info"]["spec_verify_ct"] > 0 for o in outs)
+    for position in POSITIONS:
+        assert homogeneity_pvalue([o["output_ids"] for o in outs], baseline["sampled"], position) > ALPHA, position
+
+
+def test_branching_trees_on_the_constant_target_equal_the_reference_loop():
+    """Every draft is one of the target's two likeliest tokens, so each step accepts a
+    path through a branching tree (accepted nodes off the chain order); SGLang accepts
+    exactly what the reference loop accepts."""
+    target = constant_target_dir()
+    tree = {"depth": 4, "topk": 2, "budget": 12}
+    head = two_token_head_dir(target, specplug={"version": 1, "method": "eagle3", "tree": tree})
+    prompts = [[5, 6, 7], [9, 10, 11, 12, 13]]
+    with sglang_engine(target, speculative_algorithm=ALGORITHM, speculative_draft_model_path=str(head)) as engine:
+        outs = generate_ids(engine, prompts, GREEDY)
+    assert all(set(out["output_ids"]) == {TWO_DRAFT_TOKENS[0]} for out in outs)  # the constant target's greedy output
+    accepted = assert_equals_reference(outs, reference_run(target, head, prompts, tree))
+    assert accepted >= sum(out["meta_info"]["spec_verify_ct"] for out in outs)  # about a draft per step, or more
