@@ -22,7 +22,9 @@ same node budget (specplug.common.merge.merge_trees).
 
 A request whose head state does not match SGLang's (its root token or position differs,
 e.g. right after a retraction) verifies its root alone that step; its drafts resume after
-the next catch-up.
+the next catch-up. A prompt prefix SGLang's radix cache already holds is not recomputed,
+so the head's context for that request starts after it (drafts stay verified: this costs
+acceptance only).
 """
 
 from __future__ import annotations
@@ -89,6 +91,7 @@ class Eagle3Worker(TreeVerifyWorker):
 
         head = load_head_module(self.settings.head_path, target_config=self.server_args.model_path,
                                 device=self.device, dtype=self.model_runner.model_config.dtype).eval()
+        head.requires_grad_(False)  # serving: no autograd graph behind the states the head keeps
         if type(head).__name__ != "Eagle3Head":
             raise ValueError(f"SPECPLUG_EAGLE3: --speculative-draft-model-path {self.settings.head_path} holds a "
                              f"{type(head).__name__}, not an EAGLE-3 head: use MEDUSA for Medusa heads")
@@ -132,6 +135,8 @@ class Eagle3Worker(TreeVerifyWorker):
     def _commit(self, batch, tree: TreeBatch, verdict, hidden: torch.Tensor) -> None:
         """The accepted path's nodes at positions seq_len .. seq_len + m, each paired with
         the token emitted after it (the next accepted node's, then the bonus)."""
+        if hidden is None:  # nothing captured: the head keeps its state and these requests verify roots alone
+            return
         bs, n = tree.candidates.shape
         emitted = verdict.output_tokens(tree.candidates.to(verdict.accepted_nodes.device))  # [B, D+1]
         accepted = verdict.num_accepted.tolist()
