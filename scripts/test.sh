@@ -36,7 +36,7 @@ for suite in "${suites[@]}"; do
     [ -f "$reports/$suite.xml" ] || { echo "== $suite suite: pytest ended with exit code $rc and no report"; aborted+=("$suite"); }
 done
 
-python3 - "$reports" "${aborted[@]}" <<'PY'
+python3 - "$reports" ${aborted[@]+"${aborted[@]}"} <<'PY'
 import glob, sys, xml.etree.ElementTree as ET
 n = {"tests": 0, "failures": 0, "errors": 0, "skipped": 0}
 for path in glob.glob(f"{sys.argv[1]}/*.xml"):

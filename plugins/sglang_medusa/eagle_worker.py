@@ -55,8 +55,12 @@ def capture_aux_states(model, layer_ids) -> None:
     if not hasattr(model, "capture_aux_hidden_states") or not hasattr(model.model, "layers_to_capture"):
         raise ValueError(f"{type(model).__name__} cannot capture aux hidden states in SGLang 0.5.23: "
                          "SPECPLUG_EAGLE3 needs a Llama-family target")
+    ids = [int(i) for i in layer_ids]
+    if ids != sorted(set(ids)):  # SGLang captures in layer order, once per layer
+        raise ValueError(f"SPECPLUG_EAGLE3 needs the head's aux layer ids ascending and distinct, got {ids}: "
+                         "fix eagle_aux_hidden_state_layer_ids in the head's config.json (and its fc's column order)")
     model.capture_aux_hidden_states = True
-    model.model.layers_to_capture = [int(i) for i in layer_ids]
+    model.model.layers_to_capture = ids
 
 
 class Eagle3Worker(TreeVerifyWorker):
@@ -73,9 +77,10 @@ class Eagle3Worker(TreeVerifyWorker):
         head = self._load_head()
         self.drafting = EagleDrafting(TorchHeadRunner(head))
         self.roots: dict[str, Root] = {}  # each request's last catch-up
+        # requests SGLang never reported finished (e.g. done at prefill, aborted) are dropped beyond this
+        self.max_live = 2 * int(cfg.max_running_requests or 48)
         self.sampled = SampledDrafts(self.settings.draft_temperature)
-        tree = self.settings.tree
-        self.sampled_tree = TreeConfig(tree.depth, max(1, tree.budget // tree.depth), tree.budget)  # fits the budget
+        self.sampled_tree = sampled_tree(self.settings.tree)
         self.token_drafts = None  # hybrid drafting: a SyncedTokenDrafter, or None
         if self.settings.drafter is not None:
             self.token_drafts = synced_drafter(self.settings.drafter, cfg, self.model_runner.model_config.vocab_size)
@@ -133,7 +138,7 @@ class Eagle3Worker(TreeVerifyWorker):
         self._catch_up(requests)
 
     def _commit(self, batch, tree: TreeBatch, verdict, hidden: torch.Tensor) -> None:
-        """The accepted path's nodes at positions seq_len .. seq_len + m, each paired with
+        """The accepted path's m nodes at positions seq_len .. seq_len + m - 1, each paired with
         the token emitted after it (the next accepted node's, then the bonus)."""
         if hidden is None:  # nothing captured: the head keeps its state and these requests verify roots alone
             return
@@ -150,10 +155,23 @@ class Eagle3Worker(TreeVerifyWorker):
                                       combined[offset:offset + m]))
             offset += m
         self._catch_up(requests)
+        self._forget_stale({req.rid for req in batch.reqs})  # a decode batch holds every running request
 
     def _catch_up(self, requests) -> None:
         with torch.inference_mode():
             self.roots.update(zip((r.req_id for r in requests), self.drafting.catch_up(requests)))
+
+    def _forget_stale(self, current: set) -> None:
+        """Bound the head state: SGLang reports only requests that finish in a decode
+        step, so one that ends at prefill (one-token answers, an early stop, an abort) is
+        never reported. Past max_live, requests not in this batch are freed (one that
+        comes back verifies its root alone until its next catch-up)."""
+        if len(self.roots) <= self.max_live:
+            return
+        stale = [rid for rid in self.roots if rid not in current]
+        self.drafting.free(stale)
+        for rid in stale:
+            self.roots.pop(rid)
 
     # ------------------------------------------------------------------ drafting
 
@@ -200,6 +218,13 @@ class Eagle3Worker(TreeVerifyWorker):
             drafted_rows = iter(drafted.unbind())
             drafted = stack_trees([next(drafted_rows) if ok else _root_only(t) for ok, t in zip(usable, last)])
         return drafted
+
+
+def sampled_tree(tree: TreeConfig) -> TreeConfig:
+    """The sampled-draft shape within `tree`'s budget: width chains of depth, width * depth
+    <= budget (a sampled tree has 1 + width * depth nodes; SGLang reserves budget + 1)."""
+    depth = min(tree.depth, tree.budget)
+    return TreeConfig(depth, max(1, tree.budget // depth), tree.budget)
 
 
 def _root_only(token: int) -> DraftTree:

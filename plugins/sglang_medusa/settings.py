@@ -308,13 +308,15 @@ def _draft_temperature(section: dict, environ) -> float | None:
     """SPECPLUG_DRAFT_TEMPERATURE (empty or 0: off), else the section's "draft_temperature"."""
     text = environ.get(DRAFT_TEMPERATURE_ENV)
     where = DRAFT_TEMPERATURE_ENV if text is not None else "specplug.draft_temperature in the head's config.json"
-    value = text if text is not None else section.get("draft_temperature")
-    if value in (None, "", "0", 0):
+    value = text.strip() if text is not None else section.get("draft_temperature")
+    if value in (None, ""):
         return None
     try:
         temperature = float(value)
     except (TypeError, ValueError):
         temperature = float("nan")
+    if temperature == 0:
+        return None
     if not temperature > 0:
         _fail(where, "a temperature > 0 (or 0 / unset: top-k trees)", value, "fix or unset it", EAGLE3)
     return temperature

@@ -86,7 +86,7 @@ class DenseEagle3Head:
         groups = self.num_heads // self.num_kv_heads
         k = keys.transpose(0, 1).repeat_interleave(groups, dim=0)  # [heads, S+T, D]
         v = values.transpose(0, 1).repeat_interleave(groups, dim=0)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[None], scale=self.scaling)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[None].to(q.device), scale=self.scaling)
         return out.transpose(0, 1).reshape(t, self.num_heads * self.head_dim)
 
     def empty_kv(self) -> torch.Tensor:

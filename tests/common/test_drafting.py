@@ -53,6 +53,27 @@ def test_batched_step_equals_one_step_per_request(runner, hidden):
                                    rtol=1e-3, atol=1e-3)  # batched matmuls round differently
 
 
+def test_a_step_split_into_padded_groups_equals_one_forward(runner, hidden, monkeypatch):
+    """TorchHeadRunner bounds each padded forward (PADDED_ROWS): a long request runs apart
+    from short ones; results, log-prob rows in the order asked included, are the same."""
+    from specplug.common.drafting import runner as runner_module
+
+    past = runner.step(TEXT[1:5], hidden[:4], torch.arange(4),
+                       [Segment(slice(0, 4), runner.empty_kv(), runner.empty_kv(), torch.ones(4, 4).tril().bool())])
+    segments = [Segment(slice(0, 3), past.key, past.value, torch.ones(3, 7).tril(diagonal=4).bool()),
+                Segment(slice(3, 5), runner.empty_kv(), runner.empty_kv(), torch.ones(2, 2).tril().bool()),
+                Segment(slice(5, 8), runner.empty_kv(), runner.empty_kv(), torch.ones(3, 3).tril().bool())]
+    tokens, states = torch.cat([TEXT[5:8], TEXT[1:3], TEXT[1:4]]), torch.cat([hidden[4:7], hidden[:2], hidden[:3]])
+    positions = torch.cat([torch.arange(4, 7), torch.arange(2), torch.arange(3)])
+    logit_rows = torch.tensor([7, 0, 4])
+    whole = runner.step(tokens, states, positions, segments, logit_rows=logit_rows)
+    monkeypatch.setattr(runner_module, "PADDED_ROWS", 6)  # groups: [0], [1, 2]
+    assert [len(g) for g in runner_module._groups(segments)] == [1, 2]
+    split = runner.step(tokens, states, positions, segments, logit_rows=logit_rows)
+    for field in ("logprobs", "hidden", "key", "value"):
+        torch.testing.assert_close(getattr(split, field), getattr(whole, field), rtol=1e-3, atol=1e-3)
+
+
 def test_catch_up_after_rollback_equals_a_fresh_request(runner, hidden):
     drafting, fresh = EagleDrafting(runner), EagleDrafting(runner)
     drafting.catch_up([rows("a", hidden, 0, 8)])

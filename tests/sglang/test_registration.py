@@ -128,6 +128,16 @@ def test_eagle3_settings_come_from_the_heads_section_then_arguments(eagle3_head)
     s = _eagle3(eagle3_head, {"SPECPLUG_RETRIEVAL": "0", "SPECPLUG_DRAFT_TEMPERATURE": "0.7"},
                 speculative_num_steps=5, speculative_eagle_topk=1, speculative_num_draft_tokens=9)
     assert (s.tree.depth, s.tree.topk, s.tree.budget, s.drafter, s.draft_temperature) == (5, 1, 8, None, 0.7)
+    assert _eagle3(eagle3_head, {"SPECPLUG_DRAFT_TEMPERATURE": " 0.0"}).draft_temperature is None
+
+
+def test_sampled_trees_fit_the_node_budget():
+    from specplug.common.tree import TreeConfig
+    from specplug.sglang_medusa.eagle_worker import sampled_tree
+
+    for depth, budget in ((4, 15), (6, 4), (3, 3), (1, 1)):
+        tree = sampled_tree(TreeConfig(depth=depth, topk=2, budget=budget))
+        assert tree.depth * tree.topk <= budget and tree.depth <= depth
 
 
 @pytest.mark.parametrize("environ, kwargs, message", [

@@ -13,6 +13,8 @@ from typing import NamedTuple, Protocol
 
 import torch
 
+PADDED_ROWS = 1 << 15  # most (requests x longest past + rows) one padded head forward holds
+
 
 class DraftStep(NamedTuple):
     logprobs: torch.Tensor  # [T or R, draft_vocab] draft log-probs of the NEXT token (see token_map, logit_rows)
@@ -53,8 +55,9 @@ class HeadRunner(Protocol):
 
 class TorchHeadRunner:
     """HeadRunner over specplug's own Eagle3Head or Eagle1Head (any module with combine,
-    forward, compute_logits, to_target_ids and config): segments are right-padded into
-    one batched forward."""
+    forward, compute_logits, to_target_ids and config): consecutive segments are
+    right-padded into batched forwards of at most PADDED_ROWS padded rows each, so one
+    long request beside many short ones costs its own length, not the batch times it."""
 
     def __init__(self, head):
         self.head = head.eval()
@@ -72,6 +75,23 @@ class TorchHeadRunner:
 
     @torch.no_grad()
     def step(self, tokens, hidden, positions, segments, logit_rows=None) -> DraftStep:
+        parts, wanted_at = [], []
+        for group in _groups(segments):
+            start, stop = group[0].rows.start, group[-1].rows.stop
+            local = [seg._replace(rows=slice(seg.rows.start - start, seg.rows.stop - start)) for seg in group]
+            wanted = None
+            if logit_rows is not None:
+                at = ((logit_rows >= start) & (logit_rows < stop)).nonzero().flatten()
+                wanted_at.append(at)
+                wanted = logit_rows[at] - start
+            parts.append(self._step(tokens[start:stop], hidden[start:stop], positions[start:stop], local, wanted))
+        key, value, out_hidden = (torch.cat([p[i] for p in parts]) for i in (2, 3, 1))
+        logprobs = torch.cat([p.logprobs for p in parts])
+        if logit_rows is not None:  # back in the order asked
+            logprobs = logprobs[torch.cat(wanted_at).argsort()]
+        return DraftStep(logprobs, out_hidden, key, value)
+
+    def _step(self, tokens, hidden, positions, segments, logit_rows) -> DraftStep:
         ids, padded_hidden, padded_positions, mask, past, rows = self._padded(tokens, hidden, positions, segments)
         out = self.head(ids, padded_hidden, padded_positions, mask, past)
         width = ids.shape[1]
@@ -106,3 +126,18 @@ class TorchHeadRunner:
         past = None if span == 0 else (past_key.transpose(1, 2), past_value.transpose(1, 2))  # [B, kvh, S, D]
         rows = torch.cat([b * width + torch.arange(n, device=dev) for b, n in enumerate(count)])
         return ids, padded_hidden, padded_positions, mask, past, rows
+
+
+def _groups(segments):
+    """Consecutive segments, each group's padded size (segments x longest past + rows)
+    at most PADDED_ROWS (a segment larger than that alone)."""
+    group, longest = [], 0
+    for seg in segments:
+        size = seg.past_key.shape[0] + seg.rows.stop - seg.rows.start
+        if group and (len(group) + 1) * max(longest, size) > PADDED_ROWS:
+            yield group
+            group, longest = [], 0
+        group.append(seg)
+        longest = max(longest, size)
+    if group:
+        yield group
