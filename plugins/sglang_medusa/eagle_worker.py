@@ -1,15 +1,19 @@
-"""SPECPLUG_EAGLE3: EAGLE-3 heads with EAGLE-2 dynamic trees in SGLang 0.5.23 (whose own
-EAGLE-3 does not start on a CPU).
+"""SPECPLUG_EAGLE3: EAGLE-3 and EAGLE-1 heads with EAGLE-2 dynamic trees in SGLang 0.5.23
+(whose own EAGLE and EAGLE-3 do not start on a CPU).
 
 The step is tree_worker.TreeVerifyWorker's; drafting is the core's, the same code the
 vLLM adapter and the reference loop run: specplug.common.drafting.eagle.EagleDrafting
 (the head's KV per request, catch-up over committed rows, roll-back, trees) through
-drafting.runner.TorchHeadRunner over specplug's own Eagle3Head module. This worker only
-translates SGLang's batches into `Committed` rows:
+drafting.runner.TorchHeadRunner over specplug's own Eagle3Head / Eagle1Head module. This
+worker only translates SGLang's batches into `Committed` rows:
 
-- prefill (each chunk): the target's aux states of the extend tokens (SGLang captures
-  them, `capture_aux_states`) paired with the token after each position;
-- verify: the aux states of the accepted path's nodes, paired with the emitted tokens.
+- prefill (each chunk): the target's states of the extend tokens paired with the token
+  after each position;
+- verify: the states of the accepted path's nodes, paired with the emitted tokens.
+
+The states are what SGLang captures in CaptureHiddenMode.FULL: for an EAGLE-3 head the
+aux layers' inputs (`capture_aux_states`), for an EAGLE-1 head the target's final hidden
+state (after its norm, SGLang's default capture), scored by the target's own lm_head.
 
 Sampled drafts (the head's "draft_temperature" or SPECPLUG_DRAFT_TEMPERATURE): in a batch
 with a sampled request, each request's tree is `budget // depth` chains drawn from
@@ -30,6 +34,7 @@ acceptance only).
 from __future__ import annotations
 
 import logging
+from typing import NamedTuple
 
 import torch
 from sglang.srt.arg_groups.overrides import resolving_view
@@ -84,10 +89,13 @@ class Eagle3Worker(TreeVerifyWorker):
         self.token_drafts = None  # hybrid drafting: a SyncedTokenDrafter, or None
         if self.settings.drafter is not None:
             self.token_drafts = synced_drafter(self.settings.drafter, cfg, self.model_runner.model_config.vocab_size)
-        layers = head.config.resolved_aux_layer_ids(self.model_runner.model_config.hf_config.num_hidden_layers)
-        capture_aux_states(self.model_runner.model, layers)
-        logger.info("SPECPLUG_EAGLE3 worker: head %s, aux layers %s, dynamic trees %s (up to %d nodes)%s, "
-                    "lossless verification", self.settings.head_path, list(layers), self.settings.tree,
+        feature = "the target's final hidden state"
+        if head.KIND == "EAGLE-3":
+            layers = head.config.resolved_aux_layer_ids(self.model_runner.model_config.hf_config.num_hidden_layers)
+            capture_aux_states(self.model_runner.model, layers)
+            feature = f"aux layers {list(layers)}"
+        logger.info("SPECPLUG_EAGLE3 worker: %s head %s, %s, dynamic trees %s (up to %d nodes)%s, "
+                    "lossless verification", head.KIND, self.settings.head_path, feature, self.settings.tree,
                     self.num_nodes, "" if self.token_drafts is None else
                     f", merged with drafter {self.settings.drafter.name!r}")
 
@@ -97,12 +105,17 @@ class Eagle3Worker(TreeVerifyWorker):
         head = load_head_module(self.settings.head_path, target_config=self.server_args.model_path,
                                 device=self.device, dtype=self.model_runner.model_config.dtype).eval()
         head.requires_grad_(False)  # serving: no autograd graph behind the states the head keeps
-        if type(head).__name__ != "Eagle3Head":
+        if getattr(head, "KIND", None) not in ("EAGLE-3", "EAGLE-1"):
             raise ValueError(f"SPECPLUG_EAGLE3: --speculative-draft-model-path {self.settings.head_path} holds a "
-                             f"{type(head).__name__}, not an EAGLE-3 head: use MEDUSA for Medusa heads")
+                             f"{type(head).__name__}, not an EAGLE-3 or EAGLE-1 head: use MEDUSA for Medusa heads")
+        vocab = head.config.vocab_size
         if not hasattr(head, "embed_tokens"):  # share the target's embedding (no copy)
-            weight = self.model_runner.model.model.embed_tokens.weight[: head.config.vocab_size]
+            weight = self.model_runner.model.model.embed_tokens.weight[:vocab]
             head.set_target_embedding(torch.nn.Embedding.from_pretrained(weight, freeze=True))
+        if head.KIND == "EAGLE-1":  # scores with the target's lm_head (no copy)
+            lm_head = torch.nn.Linear(head.config.hidden_size, vocab, bias=False, device="meta")
+            lm_head.weight = torch.nn.Parameter(self.model_runner.model.lm_head.weight[:vocab], requires_grad=False)
+            head.set_target_lm_head(lm_head)
         return head
 
     def clear_cache_pool(self):
@@ -189,27 +202,27 @@ class Eagle3Worker(TreeVerifyWorker):
     def _sampled_trees(self, batch) -> tuple[TreeBatch, dict]:
         """Chains drawn from q with q per node, when every request's head state is in
         step; else top-k trees (verified with the target-only rule: still lossless)."""
-        roots, usable = self._roots(batch)
-        if not all(usable):
-            trees = self._head_trees(batch)
+        found = self._roots(batch)
+        if not all(found.usable):
+            trees = self._head_trees(batch, found)
             return trees, batch_layout(trees)
         with torch.inference_mode():
-            trees = self.drafting.trees(roots, self.sampled_tree, self.sampled, [req.rid for req in batch.reqs])
+            trees = self.drafting.trees(found.roots, self.sampled_tree, self.sampled, [req.rid for req in batch.reqs])
         return trees, batch_layout(trees)
 
-    def _roots(self, batch) -> tuple[list, list[bool]]:
-        """Each request's Root (or None) and whether it is in step with SGLang's request
-        (same root token, at position seq_len - 1)."""
+    def _roots(self, batch) -> "_Roots":
+        """Each request's Root (or None), its root token in SGLang, and whether the two
+        are in step (same root token, at position seq_len - 1)."""
         last = [req.output_ids[-1] for req in batch.reqs]
         roots = [self.roots.get(req.rid) for req in batch.reqs]
         seq_lens = batch.seq_lens.tolist()
-        return roots, [r is not None and r.token == t and r.position == s - 1 for r, t, s in zip(roots, last, seq_lens)]
+        usable = [r is not None and r.token == t and r.position == s - 1 for r, t, s in zip(roots, last, seq_lens)]
+        return _Roots(roots, last, usable)
 
-    def _head_trees(self, batch) -> TreeBatch:
+    def _head_trees(self, batch, found: "_Roots | None" = None) -> TreeBatch:
         """EAGLE-2 trees; a request whose head state is out of step with SGLang's (see
         the module docstring) gets its root alone."""
-        last = [req.output_ids[-1] for req in batch.reqs]
-        roots, usable = self._roots(batch)
+        roots, last, usable = found or self._roots(batch)
         if not any(usable):
             return stack_trees([_root_only(t) for t in last])
         with torch.inference_mode():
@@ -218,6 +231,12 @@ class Eagle3Worker(TreeVerifyWorker):
             drafted_rows = iter(drafted.unbind())
             drafted = stack_trees([next(drafted_rows) if ok else _root_only(t) for ok, t in zip(usable, last)])
         return drafted
+
+
+class _Roots(NamedTuple):
+    roots: list  # Root or None per request
+    last: list[int]  # each request's root token in SGLang (its last output id)
+    usable: list[bool]  # the Root is in step with SGLang's request
 
 
 def sampled_tree(tree: TreeConfig) -> TreeConfig:

@@ -85,9 +85,9 @@ def validate_eagle3_args(server_args) -> None:
     settings = eagle3_settings_from_server_args(cfg)
     _check_backend(cfg, EAGLE3)
     head = formats.load_head(settings.head_path, target_config=cfg.model_path)
-    if head.method != "eagle3":
+    if head.method not in ("eagle3", "eagle1"):
         raise ValueError(f"{EAGLE3}: --speculative-draft-model-path {settings.head_path} holds a {head.method} "
-                         "head, not EAGLE-3: use --speculative-algorithm MEDUSA for Medusa heads")
+                         "head, not EAGLE-3 or EAGLE-1: use --speculative-algorithm MEDUSA for Medusa heads")
     logger.info("%s: head %s, dynamic trees %s, lossless verification", EAGLE3, settings.head_path, settings.tree)
 
 

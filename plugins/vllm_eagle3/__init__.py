@@ -93,7 +93,7 @@ def _accept_min_p_and_logit_bias() -> None:
 
     def _validate_spec_decode(self, speculative_config):
         draft = getattr(speculative_config, "draft_model_config", None)
-        if draft is not None and specplug_section(draft.hf_config) is not None:
+        if draft is not None and specplug_section(draft.hf_config, speculative_config.method) is not None:
             return
         check(self, speculative_config)
 
@@ -113,7 +113,7 @@ def _refuse_model_runner_v2() -> None:
     class EagleSpeculator(base):
         def __init__(self, vllm_config, *args, **kwargs):
             spec = vllm_config.speculative_config
-            if specplug_section(spec.draft_model_config.hf_config) is not None:
+            if specplug_section(spec.draft_model_config.hf_config, spec.method) is not None:
                 raise RuntimeError(
                     "specplug EAGLE-3 heads need vLLM's V1 model runner: start vLLM with "
                     "VLLM_USE_V2_MODEL_RUNNER=0 (Model Runner V2 has its own speculator)"

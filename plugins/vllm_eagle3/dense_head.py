@@ -1,10 +1,12 @@
 """The vLLM side of the drafting seam (specplug.common.drafting.runner.HeadRunner):
-runs vLLM's loaded EAGLE-3 draft layer in plain torch with a dense key/value cache and
-an arbitrary boolean attention mask (which vLLM's paged draft attention cannot take).
+runs vLLM's loaded EAGLE-3 or EAGLE-1 draft layer in plain torch with a dense key/value
+cache and an arbitrary boolean attention mask (which vLLM's paged draft attention cannot
+take).
 
-Every sub-module except the attention op is vLLM's own (`Eagle3LlamaForCausalLM` as
-vLLM loaded it: fused qkv, RoPE, norms, MLP, lm_head with d2t), so a chain drafted here
-is the chain vLLM's built-in EAGLE-3 drafts, up to the attention kernel's rounding.
+Every sub-module except the attention op is vLLM's own (`Eagle3LlamaForCausalLM` /
+`EagleLlamaForCausalLM` as vLLM loaded them: fc, fused qkv, RoPE, norms, MLP, lm_head
+with d2t, or the target's lm_head for EAGLE-1), so a chain drafted here is the chain
+vLLM's built-in EAGLE drafts, up to the attention kernel's rounding.
 """
 
 from __future__ import annotations
@@ -15,7 +17,61 @@ import torch.nn.functional as F
 from specplug.common.drafting.runner import DraftStep, Segment
 
 
-class DenseEagle3Head:
+class _DenseLayer:
+    """One vLLM decoder layer's attention run over caller-owned dense KV, per request."""
+
+    def __init__(self, model, what: str):
+        layers = model.model.layers
+        if len(layers) != 1:
+            raise ValueError(
+                f"the specplug {what} proposer needs a one-layer head (num_hidden_layers=1), "
+                f"got {len(layers)} layers: use vLLM's built-in path (drop the specplug section)"
+            )
+        self.model = model
+        self.layer = layers[0]
+        attn = self.layer.self_attn
+        self.num_heads, self.num_kv_heads = attn.num_heads, attn.num_kv_heads
+        self.head_dim, self.scaling = attn.head_dim, attn.scaling
+        self.q_size, self.kv_size = attn.q_size, attn.kv_size
+
+    def _attention(self, x, positions, segments):
+        """x [T, In] -> (o_proj output [T, H], key, value [T, kv_heads, D]): the layer's
+        attention, each segment's rows over its own past KV and mask."""
+        attn_layer = self.layer.self_attn
+        qkv, _ = attn_layer.qkv_proj(x)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k = attn_layer.rotary_emb(positions, q, k)
+        key = k.reshape(-1, self.num_kv_heads, self.head_dim)
+        value = v.reshape(-1, self.num_kv_heads, self.head_dim)
+        attn = torch.cat([self._attend(q[seg.rows], torch.cat([seg.past_key, key[seg.rows]]),
+                                       torch.cat([seg.past_value, value[seg.rows]]), seg.mask)
+                          for seg in segments])
+        out, _ = attn_layer.o_proj(attn)
+        return out, key, value
+
+    def _logprobs(self, rows: torch.Tensor, logit_rows: torch.Tensor | None) -> torch.Tensor:
+        """[T, H] lm_head inputs -> draft log-probs [T or R, draft_vocab] (R = logit_rows)."""
+        if logit_rows is not None:
+            rows = rows[logit_rows]
+        return torch.log_softmax(self.model.logits_processor(self.model.lm_head, rows).float(), dim=-1)
+
+    def _attend(self, q, keys, values, mask):
+        """q [T, heads*D]; keys/values [S+T, kv_heads, D]; mask [T, S+T] -> [T, heads*D]."""
+        t = q.shape[0]
+        q = q.view(t, self.num_heads, self.head_dim).transpose(0, 1)  # [heads, T, D]
+        groups = self.num_heads // self.num_kv_heads
+        k = keys.transpose(0, 1).repeat_interleave(groups, dim=0)  # [heads, S+T, D]
+        v = values.transpose(0, 1).repeat_interleave(groups, dim=0)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[None].to(q.device), scale=self.scaling)
+        return out.transpose(0, 1).reshape(t, self.num_heads * self.head_dim)
+
+    def empty_kv(self) -> torch.Tensor:
+        """A [0, kv_heads, head_dim] cache tensor in the head's dtype."""
+        weight = self.layer.self_attn.o_proj.weight
+        return weight.new_zeros(0, self.num_kv_heads, self.head_dim)
+
+
+class DenseEagle3Head(_DenseLayer):
     """HeadRunner over the EAGLE-3 modules vLLM loaded: one midlayer step over T inputs
     with caller-owned dense KV.
 
@@ -25,18 +81,7 @@ class DenseEagle3Head:
     """
 
     def __init__(self, model):
-        layers = model.model.layers
-        if len(layers) != 1:
-            raise ValueError(
-                f"the specplug EAGLE-3 proposer needs a one-layer head (num_hidden_layers=1), "
-                f"got {len(layers)} layers: use vLLM's built-in eagle3 path (drop the specplug section)"
-            )
-        self.model = model
-        self.layer = layers[0]
-        attn = self.layer.self_attn
-        self.num_heads, self.num_kv_heads = attn.num_heads, attn.num_kv_heads
-        self.head_dim, self.scaling = attn.head_dim, attn.scaling
-        self.q_size, self.kv_size = attn.q_size, attn.kv_size
+        super().__init__(model, "EAGLE-3")
 
     @property
     def token_map(self) -> torch.Tensor | None:
@@ -61,35 +106,33 @@ class DenseEagle3Head:
         layer = self.layer
         embeds = layer.input_layernorm(self.model.embed_input_ids(tokens))
         normed, residual = layer._residual_norm(hidden_states=hidden)
-        x = torch.cat([embeds, normed], dim=-1)  # [T, 2H]
-        qkv, _ = layer.self_attn.qkv_proj(x)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q, k = layer.self_attn.rotary_emb(positions, q, k)
-        key = k.reshape(-1, self.num_kv_heads, self.head_dim)
-        value = v.reshape(-1, self.num_kv_heads, self.head_dim)
-        attn = torch.cat([self._attend(q[seg.rows], torch.cat([seg.past_key, key[seg.rows]]),
-                                       torch.cat([seg.past_value, value[seg.rows]]), seg.mask)
-                          for seg in segments])
-        out, _ = layer.self_attn.o_proj(attn)
+        out, key, value = self._attention(torch.cat([embeds, normed], dim=-1), positions, segments)  # [T, 2H] in
         out, residual = layer.post_attention_layernorm(out, residual)
         out = layer.mlp(out)
         normed_out, prenorm = self.model.model.norm(out, residual)
-        if logit_rows is not None:
-            normed_out = normed_out[logit_rows]
-        logits = self.model.logits_processor(self.model.lm_head, normed_out).float()  # [T or R, draft_vocab]
-        return DraftStep(torch.log_softmax(logits, dim=-1), prenorm, key, value)
+        return DraftStep(self._logprobs(normed_out, logit_rows), prenorm, key, value)
 
-    def _attend(self, q, keys, values, mask):
-        """q [T, heads*D]; keys/values [S+T, kv_heads, D]; mask [T, S+T] -> [T, heads*D]."""
-        t = q.shape[0]
-        q = q.view(t, self.num_heads, self.head_dim).transpose(0, 1)  # [heads, T, D]
-        groups = self.num_heads // self.num_kv_heads
-        k = keys.transpose(0, 1).repeat_interleave(groups, dim=0)  # [heads, S+T, D]
-        v = values.transpose(0, 1).repeat_interleave(groups, dim=0)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[None].to(q.device), scale=self.scaling)
-        return out.transpose(0, 1).reshape(t, self.num_heads * self.head_dim)
+class DenseEagle1Head(_DenseLayer):
+    """HeadRunner over the EAGLE-1 modules vLLM loaded (EagleLlamaForCausalLM, the
+    target's lm_head shared by vLLM): x = fc([embed(token); h]), r = x + attn(x), then
+    r + mlp(norm(r)), scored by the target's lm_head. h is the target's final hidden
+    state (after its norm) for committed positions, the parent's output r in a tree."""
 
-    def empty_kv(self) -> torch.Tensor:
-        """A [0, kv_heads, head_dim] cache tensor in the head's dtype."""
-        weight = self.layer.self_attn.o_proj.weight
-        return weight.new_zeros(0, self.num_kv_heads, self.head_dim)
+    token_map = None  # EAGLE-1 drafts in the target's vocabulary
+
+    def __init__(self, model):
+        super().__init__(model, "EAGLE-1")
+
+    def combine(self, aux_hidden: torch.Tensor) -> torch.Tensor:
+        """The target's final hidden state [T, H] is the feature itself."""
+        return aux_hidden.to(self.layer.self_attn.o_proj.weight.dtype)
+
+    def step(self, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
+             segments: list[Segment], logit_rows: torch.Tensor | None = None) -> DraftStep:
+        """As DenseEagle3Head.step; DraftStep.hidden is the output r (no final norm)."""
+        layer = self.layer
+        x = self.model.model.fc(torch.cat([self.model.embed_input_ids(tokens), hidden], dim=-1))  # [T, H]
+        out, key, value = self._attention(x, positions, segments)  # layer 0 has no input_layernorm
+        out, residual = layer.post_attention_layernorm(out, x)
+        r = layer.mlp(out) + residual
+        return DraftStep(self._logprobs(r, logit_rows), r, key, value)

@@ -1,21 +1,22 @@
-"""The specplug EAGLE-3 proposer for vLLM's V1 model runner.
+"""The specplug EAGLE proposer for vLLM's V1 model runner (EAGLE-3 heads, method
+"eagle3"; EAGLE-1 heads, method "eagle").
 
 `SpecplugEagleProposer` replaces vLLM's `EagleProposer` class (see `register()`, which
-checks the vLLM version before importing this module). With a
-head whose config.json has no `specplug` section every method is vLLM's own. With a
-specplug head, `propose` drafts an EAGLE-2 dynamic tree per request from the target's
-aux hidden states and hands vLLM one root path of it as its chain (stage A: the path
-with the largest expected accepted length), which specplug's chain sampler (sampler.py,
-in place of the runner's rejection sampler) verifies losslessly. In stage "tree"
-(tree_verify.py) it hands vLLM every kept node of the tree as a draft token instead, and
-vLLM's target verifies the whole tree in one pass; requests whose sampling needs vLLM's
+checks the vLLM version before importing this module). With a head whose config.json
+has no `specplug` section every method is vLLM's own. With a specplug head, `propose`
+drafts an EAGLE-2 dynamic tree per request from the target's hidden states (EAGLE-3:
+the aux layers'; EAGLE-1: the final one) and hands vLLM one root path of it as its
+chain (stage A: the path with the largest expected accepted length), which specplug's
+chain sampler (sampler.py, in place of the runner's rejection sampler) verifies
+losslessly. In stage "tree" (tree_verify.py) it hands vLLM every kept node of the tree
+as a draft token instead, and vLLM's target verifies the whole tree in one pass; requests whose sampling needs vLLM's
 own sampler or a grammar (sampler.needs_chain) still get a chain.
 
 Drafting itself is the core's (specplug.common.drafting.eagle.EagleDrafting: the head's
 per-request KV, catch-up, roll-back to the first position vLLM sends in a step, deferred
 rows, trees); this module translates vLLM's batch into `Committed` rows and the trees
-back into vLLM's draft-token tensor. The head runs through `DenseEagle3Head`, the seam
-implemented with the layers vLLM loaded.
+back into vLLM's draft-token tensor. The head runs through `DenseEagle3Head` /
+`DenseEagle1Head`, the seam implemented with the layers vLLM loaded.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import torch
 from vllm.v1.spec_decode.eagle import EagleProposer
 
 from specplug.vllm_eagle3.adaptive import AdaptiveController
-from specplug.vllm_eagle3.dense_head import DenseEagle3Head
+from specplug.vllm_eagle3.dense_head import DenseEagle1Head, DenseEagle3Head
 from specplug.vllm_eagle3.sampler import SpecplugChainSampler, needs_chain
 from specplug.vllm_eagle3.settings import (
     AdapterSettings,
@@ -52,13 +53,13 @@ class SpecplugEagleProposer(EagleProposer):
     def __init__(self, vllm_config, device, runner=None):
         super().__init__(vllm_config, device, runner)
         self.runner = runner  # request ids and discard mask of the batch being drafted
-        section = None
-        if self.method == "eagle3":
-            section = specplug_section(self.draft_model_config.hf_config)
+        section = specplug_section(self.draft_model_config.hf_config, self.method)
         self.specplug: AdapterSettings | None = None
         if section is None:
             return
-        check_head_matches_target(self.draft_model_config.model, vllm_config.model_config.hf_text_config)
+        check_head_matches_target(self.draft_model_config.model, vllm_config.model_config.hf_text_config,
+                                  self.method)
+        self.head_runner = DenseEagle3Head if self.method == "eagle3" else DenseEagle1Head
         self.specplug = adapter_settings(section)
         check_num_speculative_tokens(self.specplug, self.num_speculative_tokens)
         self.tree_verifier = None  # stage "tree": a TreeVerifier, built with the runner
@@ -110,7 +111,7 @@ class SpecplugEagleProposer(EagleProposer):
             )
         self._last_draft_probs = None  # deterministic drafting: vLLM's target-only rule
         if self.drafting is None:
-            self.drafting = EagleDrafting(DenseEagle3Head(self.model))
+            self.drafting = EagleDrafting(self.head_runner(self.model))
         if self.adaptive is not None:
             self.adaptive.step_started(int(common_attn_metadata.query_start_loc_cpu[
                 common_attn_metadata.num_reqs]))
@@ -283,13 +284,16 @@ class SpecplugEagleProposer(EagleProposer):
     def _log_active(self):
         tree = self.specplug.tree
         if self.specplug.stage == "tree":
-            logger.info("specplug EAGLE-3 proposer active for head %s: dynamic tree topk=%d depth=%d "
+            logger.info("specplug %s proposer active for head %s: dynamic tree topk=%d depth=%d "
                         "budget=%d, stage tree (the whole tree is verified in one target pass)",
-                        self.draft_model_config.model, tree.topk, tree.depth, tree.budget)
+                        self._kind(), self.draft_model_config.model, tree.topk, tree.depth, tree.budget)
         else:
-            logger.info("specplug EAGLE-3 proposer active for head %s: dynamic tree topk=%d depth=%d, "
+            logger.info("specplug %s proposer active for head %s: dynamic tree topk=%d depth=%d, "
                         "stage chain (the tree's best path is verified as a chain)",
-                        self.draft_model_config.model, tree.topk, self.num_speculative_tokens)
+                        self._kind(), self.draft_model_config.model, tree.topk, self.num_speculative_tokens)
+
+    def _kind(self) -> str:
+        return "EAGLE-3" if self.method == "eagle3" else "EAGLE-1"
 
     def _forget_finished(self):
         live = self.runner.requests

@@ -1,8 +1,9 @@
-"""Reads the specplug section of an EAGLE-3 head's config.json into adapter settings, and
+"""Reads the specplug section of an EAGLE head's config.json into adapter settings, and
 checks the head against the target it is asked to draft for.
 
-A head is "ours" when its config.json has a `specplug` section with method "eagle3";
-without it vLLM's built-in EAGLE-3 path runs untouched. Tree settings come from the
+A head is "ours" when its config.json has a `specplug` section: method "eagle3" for
+vLLM's method "eagle3", "eagle1" for vLLM's method "eagle" (EAGLE-1 heads); without it
+vLLM's built-in EAGLE path runs untouched. Tree settings come from the
 section's `tree` dict; the environment variable SPECPLUG_TREE (a JSON object, e.g.
 '{"topk": 2}') overrides single keys without editing the checkpoint. Adaptive
 speculation (adaptive.py) is off unless the section says `"adaptive": true`; the
@@ -71,19 +72,28 @@ class AdapterSettings:
                              f"head's specplug section or {ENV_STAGE_OVERRIDE} to \"chain\" or \"tree\"")
 
 
-def specplug_section(hf_config: Any) -> dict | None:
-    """The head config's specplug section if it marks an EAGLE-3 specplug head, else None."""
+# vLLM's speculative method -> the method a specplug head's section names
+HEAD_METHOD = {"eagle3": "eagle3", "eagle": "eagle1"}
+
+
+def specplug_section(hf_config: Any, vllm_method: str = "eagle3") -> dict | None:
+    """The head config's specplug section if it marks a specplug head for `vllm_method`
+    ("eagle3": an EAGLE-3 head, "eagle": an EAGLE-1 head), else None."""
     section = getattr(hf_config, "specplug", None)
     if section is None and isinstance(hf_config, Mapping):
         section = hf_config.get("specplug")
-    if not section:
+    if not section or vllm_method not in HEAD_METHOD:
         return None
     if not isinstance(section, Mapping):
         raise TypeError(f"config.json 'specplug' must be an object, got {type(section).__name__}")
-    if section.get("method", "eagle3") != "eagle3":
+    expected = HEAD_METHOD[vllm_method]
+    given = section.get("method", expected)
+    if given != expected:
+        fix = {v: k for k, v in HEAD_METHOD.items()}.get(given)
         raise ValueError(
-            f"the head's specplug section says method {section.get('method')!r}, but vLLM was asked "
-            "for method 'eagle3': pass an EAGLE-3 head"
+            f"the head's specplug section says method {given!r}, but vLLM was asked for method {vllm_method!r}: "
+            + (f"pass \"method\": \"{fix}\" in --speculative-config" if fix else
+               f"set \"method\": \"{expected}\" in the section of an {expected.upper()} head")
         )
     return dict(section)
 
@@ -129,14 +139,24 @@ def check_num_speculative_tokens(settings: AdapterSettings, num_speculative_toke
         )
 
 
-def check_head_matches_target(head_dir: str, target_config: Any) -> None:
+def check_head_matches_target(head_dir: str, target_config: Any, vllm_method: str = "eagle3") -> None:
     """Raise ValueError naming the first field where the head cannot draft for the target:
-    specplug.common.formats' validation (hidden size, vocab, aux layer ids, shapes), plus
-    vLLM's own constraint that aux layer ids are ascending (vLLM captures
-    sorted(set(ids)) and concatenates them in that order)."""
+    specplug.common.formats' validation (hidden size, vocab, aux layer ids, shapes), the
+    head's kind against vLLM's method, plus vLLM's own constraints: aux layer ids
+    ascending (vLLM captures sorted(set(ids)) and concatenates them in that order); no fc
+    bias in an EAGLE-1 head (vLLM 0.32's EAGLE-1 model has none to load it into)."""
     from specplug.common import formats
 
     head = formats.load_head(head_dir, target_config)
+    expected = HEAD_METHOD[vllm_method]
+    if head.method != expected:
+        raise ValueError(f"{head_dir} holds an {head.method.upper()} head ({head.format} format), but vLLM was "
+                         f"asked for method {vllm_method!r}: pass the method of an {head.method.upper()} head "
+                         f"({ {v: k for k, v in HEAD_METHOD.items()}.get(head.method, 'none in vLLM')!r})")
+    if head.method == "eagle1" and "fc.bias" in head.state_dict:
+        raise ValueError(f"{head_dir}: the EAGLE-1 head has an fc bias (fc.bias), which vLLM 0.32's EAGLE-1 model "
+                         "cannot load: serve it in SGLang with --speculative-algorithm SPECPLUG_EAGLE3, or use "
+                         "a head trained without fc bias")
     ids = (head.config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
     if ids is not None and list(ids) != sorted(set(ids)):
         raise ValueError(

@@ -65,7 +65,10 @@ def reference_run(target_dir, head_dir, prompts, tree) -> list:
 
     target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
     head = load_head_module(head_dir)
-    head.set_target_embedding(target.get_input_embeddings())
+    if head.KIND == "EAGLE-1":
+        head.set_target(target)  # its lm_head too
+    else:
+        head.set_target_embedding(target.get_input_embeddings())
     drafter = Eagle3Drafter(head)
     return [reference.generate(target, drafter, p, GREEDY["max_new_tokens"], tree=TreeConfig(**tree)) for p in prompts]
 

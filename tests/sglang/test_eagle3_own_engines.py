@@ -2,12 +2,20 @@
 test_eagle3_engine.py for the rest). They live in their own module because shutting an
 SGLang engine down kills every scheduler of the process (SGLang's kill_process_tree): a
 module-scoped engine alive at that moment would die, and its watchdog takes the test
-process with it."""
+process with it.
 
-from tests.sglang.conftest import GREEDY, SAMPLE_PROMPT, SAMPLED, SAMPLES, generate_ids, sglang_engine
+EAGLE-1 heads (the target's final hidden state, its lm_head) run through the same
+worker: greedy output equals no speculation and the reference loop, step for step."""
+
+from tests.sglang.conftest import (
+    GREEDY, PROMPTS, SAMPLE_PROMPT, SAMPLED, SAMPLES, assert_greedy_matches, generate_ids, greedy_run, sglang_engine,
+)
 from tests.sglang.test_eagle3_engine import ALGORITHM, assert_equals_reference, eagle3_head, reference_run  # noqa: F401
 from tests.sglang.test_medusa_engine import ALPHA, POSITIONS, homogeneity_pvalue
-from tests.support.tiny_eagle3 import TWO_DRAFT_TOKENS, constant_target_dir, two_token_head_dir
+from tests.support.tiny_eagle1 import eagle1_head_dir
+from tests.support.tiny_eagle3 import AGREE_TOKEN, TWO_DRAFT_TOKENS, constant_target_dir, two_token_head_dir
+
+EAGLE1_TREE = {"depth": 4, "topk": 2, "budget": 8}
 
 
 def test_sampled_drafts_at_t08_match_no_speculation(sgl_model, eagle3_head, baseline, monkeypatch):
@@ -35,3 +43,30 @@ def test_branching_trees_on_the_constant_target_equal_the_reference_loop():
     assert all(set(out["output_ids"]) == {TWO_DRAFT_TOKENS[0]} for out in outs)  # the constant target's greedy output
     accepted = assert_equals_reference(outs, reference_run(target, head, prompts, tree))
     assert accepted >= sum(out["meta_info"]["spec_verify_ct"] for out in outs)  # about a draft per step, or more
+
+
+def test_eagle1_head_matches_no_speculation_and_the_reference_loop(sgl_model, baseline):
+    """An EAGLE-1 head (echo: its drafts repeat what the target predicted last) on the
+    random target: greedy output equals SGLang without speculation, and equals the
+    reference loop with as many verify steps, so SGLang's final hidden states and the
+    target lm_head the head scores with are the reference's."""
+    head = eagle1_head_dir(sgl_model, echo=True, specplug={"version": 1, "method": "eagle1", "tree": EAGLE1_TREE})
+    with sglang_engine(sgl_model, speculative_algorithm=ALGORITHM, speculative_draft_model_path=str(head)) as engine:
+        run = greedy_run(engine, PROMPTS, GREEDY)
+    assert assert_greedy_matches(run["ids"], baseline["greedy"]["ids"], baseline["greedy"]["gaps"]) == 0
+    outs = [{"output_ids": ids, "meta_info": meta} for ids, meta in zip(run["ids"], run["meta"])]
+    assert assert_equals_reference(outs, reference_run(sgl_model, head, PROMPTS, EAGLE1_TREE)) > 0
+
+
+def test_eagle1_head_on_the_constant_target_accepts_every_draft():
+    """On the constant target the echo head's q is the target's p at every depth, so
+    each step accepts a deep path (as deep as the 8-node tree keeps its likeliest
+    branch), exactly as in the reference loop."""
+    target = constant_target_dir()
+    head = eagle1_head_dir(target, echo=True, specplug={"version": 1, "method": "eagle1", "tree": EAGLE1_TREE})
+    prompts = [[5, 6, 7], [9, 10, 11, 12, 13]]
+    with sglang_engine(target, speculative_algorithm=ALGORITHM, speculative_draft_model_path=str(head)) as engine:
+        outs = generate_ids(engine, prompts, GREEDY)
+    assert all(set(out["output_ids"]) == {AGREE_TOKEN} for out in outs)
+    accepted = assert_equals_reference(outs, reference_run(target, head, prompts, EAGLE1_TREE))
+    assert accepted >= 2 * sum(out["meta_info"]["spec_verify_ct"] for out in outs)  # two drafts a step, or more

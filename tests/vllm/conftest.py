@@ -69,22 +69,26 @@ _ENGINES: dict = {}
 
 
 def _start(target: str, head: str | None, num_spec_tokens: int, overrides: tuple):
+    """An engine; overrides are LLM arguments, plus `method` (vLLM's speculative method,
+    default "eagle3")."""
     from vllm import LLM
 
+    overrides = dict(overrides)
+    method = overrides.pop("method", "eagle3")
     spec = {}
     if head is not None:
         spec = {"per_request_spec_decode_metrics": "summary", "speculative_config": {
-            "method": "eagle3", "model": head, "num_speculative_tokens": num_spec_tokens}}
+            "method": method, "model": head, "num_speculative_tokens": num_spec_tokens}}
     args = dict(model=target, dtype="float32", seed=0, max_model_len=512, enforce_eager=True,
                 distributed_executor_backend="uni", disable_log_stats=False,
                 kv_cache_memory_bytes=KV_CACHE_BYTES, **spec)
-    return LLM(**{**args, **dict(overrides)})
+    return LLM(**{**args, **overrides})
 
 
 @pytest.fixture(scope="session")
 def engine(specplug_log):
-    """engine(target_dir, head_dir=None, num_spec_tokens=3, **engine_args) -> a cached
-    vllm.LLM. Engines are never deleted mid-session: tearing one down in-process also
+    """engine(target_dir, head_dir=None, num_spec_tokens=3, [method=...], **engine_args)
+    -> a cached vllm.LLM. Engines are never deleted mid-session: tearing one down in-process also
     tears down vLLM's global parallel state that the others use."""
 
     def get(target, head=None, num_spec_tokens=NUM_SPEC_TOKENS, **overrides):
