@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--md", default=None, help="also write the table to this file")
     args = parser.parse_args(argv)
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    from specplug.common import data
+    from specplug.common.training import data
     from specplug.vllm_eagle3.bench_runner import make_runner
 
     runner = make_runner(SimpleNamespace(model=None, head=args.head, max_new_tokens=args.max_new_tokens,

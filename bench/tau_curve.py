@@ -30,7 +30,7 @@ def tokens_seen(record: dict) -> int:
 
 def evaluate_snapshot(folder: Path, target, tokenizer, budgets: list[int], prompts: int, tokens: int) -> dict:
     """{"steps", "tokens_seen", "tau": {budget: tau}}, cached in folder/tau.json."""
-    from specplug.common.train_eval import EvalConfig, evaluate, load_drafter
+    from specplug.common.training.evaluate import EvalConfig, evaluate, load_drafter
 
     cache = folder / "tau.json"
     settings = {"budgets": budgets, "prompts": prompts, "tokens": tokens}

@@ -139,7 +139,7 @@ def _engines(choice: str) -> list[str]:
 
 def load_prompts(args: argparse.Namespace, runner) -> list[str]:
     """Chat-formatted prompt texts of the chosen set (and category), enough for the largest batch."""
-    from specplug.common import data
+    from specplug.common.training import data
 
     name, _, category = args.prompts.partition(":")
     need = max(args.num_prompts, *(int(b) for b in args.batch_sizes.split(",") if b))

@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from .cost import chain_expected_tokens
+from .policy.cost import chain_expected_tokens
 from .draft_model import _decoder, cut_draft_model, layer_skip_view, parse_layers
 
 logger = logging.getLogger(__name__)
@@ -112,7 +112,7 @@ def search(probe: AgreementProbe, num_layers: int, rounds: int, max_depth: int) 
 
 
 def reply_sequences(target, tokenizer, prompts: int, tokens: int) -> list[tuple[torch.Tensor, int]]:
-    from .train_eval import pick_prompts
+    from .training.evaluate import pick_prompts
 
     out = []
     for p in pick_prompts("mtbench", tokenizer, prompts):

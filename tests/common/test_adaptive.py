@@ -5,10 +5,10 @@ import pytest
 import torch
 
 from specplug.common import tree
-from specplug.common.adaptive import (
+from specplug.common.policy.adaptive import (
     AdaptiveController, AdaptiveSettings, Timings, adaptive_flag, pinned_costs, tree_option,
 )
-from specplug.common.cost import (
+from specplug.common.policy.cost import (
     Curve, SpecOption, StepCosts, chain_expected_tokens, tree_depth_alphas, tree_expected_tokens,
 )
 
@@ -112,8 +112,8 @@ def test_unmeasured_large_batch_runs_plain_first():
 def test_negative_control_without_optimism_bound_it_would_probe_the_largest():
     """The exploration bound matters: offering every unmeasured option at the optimistic
     cost would pick the LARGEST (most tokens for the same cost) — 64 x 17 tokens at batch 64."""
-    from specplug.common.adaptive import _optimistic
-    from specplug.common.cost import choose
+    from specplug.common.policy.adaptive import _optimistic
+    from specplug.common.policy.cost import choose
 
     BUDGETS = medusa_budgets(STRONG)
     controller = AdaptiveController(BUDGETS)
@@ -205,7 +205,7 @@ def test_bad_arguments_name_the_problem():
 def test_option_families_live_in_the_core():
     """Both engines take their adaptive options from here: vLLM chains of 1..k, SGLang
     static trees of doubling budgets up to the tree a TreeConfig builds."""
-    from specplug.common.adaptive import chain_options, tree_family
+    from specplug.common.policy.adaptive import chain_options, tree_family
     from specplug.common.tree import TreeConfig
 
     assert [(o.depth, o.nodes) for o in chain_options(3)] == [(1, 1), (2, 2), (3, 3)]

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from specplug.common.cost import (
+from specplug.common.policy.cost import (
     AcceptanceTracker, AdaptiveConfig, Curve, SpecOption, StepCosts, chain_expected_tokens,
     choose, measure_curve, modelled_speedup, tree_expected_tokens,
 )

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from specplug.common import data
+from specplug.common.training import data
 
 
 def test_sharegpt_has_the_whole_conversations_of_the_truncated_file():

@@ -6,8 +6,8 @@ import json
 import pytest
 import torch
 
-from specplug.common import distill as D
-from specplug.common import train as T
+from specplug.common.training import distill as D
+from specplug.common.training import train as T
 
 
 @pytest.fixture(autouse=True)
@@ -56,7 +56,7 @@ def test_records_are_the_targets_greedy_replies_and_train_as_data(tiny_llama_pat
     assert len(convs) == 2
     for conv in convs:
         assert [m["role"] for m in conv] == ["user", "assistant"]
-        from specplug.common.data import format_chat
+        from specplug.common.training.data import format_chat
         ids = tok(format_chat(tok, conv[:1]), add_special_tokens=False)["input_ids"]
         with torch.no_grad():
             first = int(target(torch.tensor([ids])).logits[0, -1].argmax())

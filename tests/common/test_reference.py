@@ -296,7 +296,7 @@ def test_greedy_equals_hf_generate_on_the_real_test_bed_model():
     tree (reduced draft vocab) and a Medusa sparse tree, all with random heads."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from specplug.common.data import prompts
+    from specplug.common.training.data import prompts
     from specplug.common.testbed import target_dir
     folder = target_dir()
     tok = AutoTokenizer.from_pretrained(folder)

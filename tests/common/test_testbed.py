@@ -72,7 +72,7 @@ def test_compact_medusa_head_is_materialised_once(tiny_llama_path, tmp_path, mon
     from safetensors.torch import save_file
 
     from specplug.common import formats
-    from specplug.common.train_medusa import RESBLOCKS_FILE
+    from specplug.common.training.medusa import RESBLOCKS_FILE
 
     hidden = json.loads((tiny_llama_path / "config.json").read_text())["hidden_size"]
     vocab = json.loads((tiny_llama_path / "config.json").read_text())["vocab_size"]

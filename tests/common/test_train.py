@@ -7,11 +7,11 @@ import pytest
 import torch
 
 from specplug.common import formats
-from specplug.common import train as T
-from specplug.common import train_cache as C
-from specplug.common import train_eagle3 as E
-from specplug.common import train_loop as L
-from specplug.common import train_medusa as M
+from specplug.common.training import train as T
+from specplug.common.training import states as C
+from specplug.common.training import eagle3 as E
+from specplug.common.training import loop as L
+from specplug.common.training import medusa as M
 from specplug.common.heads import Eagle3Head, MedusaHeads
 
 @pytest.fixture(scope="module", autouse=True)
@@ -278,7 +278,7 @@ def test_eagle3_aux_layers_must_be_distinct_and_ascending(tiny_llama_path, count
 # ---------------------------------------------------------------------------------------
 def _greedy_reply(target, tokenizer, prompt, max_length):
     """Reference: a plain argmax loop on one unpadded prompt (no generate(), no batching)."""
-    from specplug.common.data import format_chat
+    from specplug.common.training.data import format_chat
     ids = tokenizer(format_chat(tokenizer, prompt), add_special_tokens=False)["input_ids"]
     new = []
     with torch.no_grad():

@@ -1,4 +1,4 @@
-"""Cached target states (`specplug.common.train_cache`) on the tiny Llama: the cache holds
+"""Cached target states (`specplug.common.training.states`) on the tiny Llama: the cache holds
 exactly the target's states in bf16, training from it gives the loss of bf16-rounded live
 states, a cache made for other settings is refused by name, and an interrupted write
 resumes without re-running finished shards."""
@@ -9,10 +9,10 @@ import shutil
 import pytest
 import torch
 
-from specplug.common import train as T
-from specplug.common import train_cache as C
-from specplug.common import train_eagle3 as E
-from specplug.common import train_medusa as M
+from specplug.common.training import train as T
+from specplug.common.training import states as C
+from specplug.common.training import eagle3 as E
+from specplug.common.training import medusa as M
 from tests.common.test_train import _config, counting_data, one_thread  # noqa: F401 (fixtures)
 
 AUX = (1, 2, 3)

@@ -1,5 +1,5 @@
 """Adaptive MEDUSA speculation in a real SGLang 0.5.23 CPU engine: per step the worker
-verifies a tree of some budget or none, as specplug.common.adaptive chooses; greedy
+verifies a tree of some budget or none, as specplug.common.policy.adaptive chooses; greedy
 output stays the target's whatever it chooses.
 
 What the controller chose is read back from SGLang's per-request histogram of accepted

@@ -43,25 +43,43 @@ def test_eagle3_method_takes_an_eagle3_head_given_as_head(sgl_model, medusa_head
     args = Namespace(model=str(sgl_model), head=str(head), max_new_tokens=8, temperature=0.0, seed=0,
                      batch_sizes="1", adaptive=False, draft_model=None)
     runner = make_runner(args)
-    assert runner.methods() == ["none", "ngram", "retrieval", "eagle3"]
+    assert runner.methods() == ["none", "ngram", "retrieval", "eagle3", "eagle3-head", "eagle3-sampled"]
     assert runner.speculative_args("eagle3") == {"speculative_algorithm": "SPECPLUG_EAGLE3",
                                                  "speculative_draft_model_path": str(head)}
 
 
 def test_draft_model_method_sets_the_drafter_only_while_its_engine_starts(sgl_model, monkeypatch):
-    from specplug.sglang_medusa.bench_runner import DRAFT_MODEL_TREE, _drafter_settings
+    from specplug.sglang_medusa.bench_runner import DRAFT_MODEL_TREE, _environment
 
     runner = SglangRunner(str(sgl_model), None, max_new_tokens=8, temperature=0.0, seed=0, max_batch=4,
                           draft_model="/models/draft")
     assert runner.methods() == ["none", "ngram", "retrieval", "draft-model"]
     assert runner.speculative_args("draft-model") == {"speculative_algorithm": "DRAFT_MODEL", **DRAFT_MODEL_TREE}
     monkeypatch.setenv("SPECPLUG_DRAFTER", "mine")
-    with _drafter_settings({"model": "/models/draft"}):
+    monkeypatch.setenv("SPECPLUG_RETRIEVAL", "1")
+    with _environment(runner.environment("draft-model")):
         import os
         assert os.environ["SPECPLUG_DRAFTER"] == '{"model": "/models/draft"}'
-    assert os.environ["SPECPLUG_DRAFTER"] == "mine"
-    with _drafter_settings(None):
+        assert "SPECPLUG_RETRIEVAL" not in os.environ
+    assert os.environ["SPECPLUG_DRAFTER"] == "mine" and os.environ["SPECPLUG_RETRIEVAL"] == "1"
+    with _environment(runner.environment("none")):
         assert "SPECPLUG_DRAFTER" not in os.environ
+
+
+def test_eagle3_head_alone_and_sampled_methods(sgl_model):
+    from tests.support.tiny_eagle3 import tiny_head_dir
+
+    head = str(tiny_head_dir(sgl_model))
+    sampled = SglangRunner(str(sgl_model), None, max_new_tokens=8, temperature=0.7, seed=0, max_batch=4,
+                           eagle3_head=head)
+    assert sampled.methods()[-3:] == ["eagle3", "eagle3-head", "eagle3-sampled"]
+    assert sampled.speculative_args("eagle3-sampled") == sampled.speculative_args("eagle3")
+    assert sampled.environment("eagle3-head") == {"SPECPLUG_RETRIEVAL": "0"}
+    assert sampled.environment("eagle3-sampled") == {"SPECPLUG_RETRIEVAL": "0", "SPECPLUG_DRAFT_TEMPERATURE": "0.7"}
+    greedy = SglangRunner(str(sgl_model), None, max_new_tokens=8, temperature=0.0, seed=0, max_batch=4,
+                          eagle3_head=head)
+    with pytest.raises(SystemExit, match="--temperature > 0"):
+        greedy.environment("eagle3-sampled")
 
 
 def test_cpu_engine_arguments(sgl_model):

@@ -23,7 +23,7 @@ def test_ngram_on_the_test_bed_matches_or_diverges_only_at_near_ties():
     near-ties may flip; anything else is a bug."""
     from transformers import AutoTokenizer
 
-    from specplug.common.data import prompts
+    from specplug.common.training.data import prompts
     from specplug.common.testbed import target_dir
 
     model = target_dir()

@@ -1,5 +1,5 @@
 """Adaptive speculation in vLLM: per step the proposer drafts 0..num_speculative_tokens
-tokens as specplug.common.cost chooses; output stays exactly the target's (greedy)."""
+tokens as specplug.common.policy.cost chooses; output stays exactly the target's (greedy)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 pytest.importorskip("vllm", reason="needs the vLLM environment: bash scripts/test.sh vllm")
 
 from specplug.common.drafting.eagle import EagleDrafting
-from specplug.common.cost import AcceptanceTracker, AdaptiveConfig, Curve, StepCosts
+from specplug.common.policy.cost import AcceptanceTracker, AdaptiveConfig, Curve, StepCosts
 from specplug.vllm_eagle3.adaptive import AdaptiveController
 from specplug.vllm_eagle3.dense_head import DenseEagle3Head
 from specplug.vllm_eagle3.settings import adapter_settings

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from specplug.common import distill as D
+from specplug.common.training import distill as D
 from tests.vllm.conftest import KV_CACHE_BYTES
 from tests.support.tiny_eagle3 import tiny_target_dir
 

@@ -31,7 +31,7 @@ def testbed():
         pytest.skip("no specplug EAGLE-3 head committed under heads/")
     from transformers import AutoTokenizer
 
-    from specplug.common.data import prompts
+    from specplug.common.training.data import prompts
     from specplug.common.testbed import target_dir
 
     target = target_dir()

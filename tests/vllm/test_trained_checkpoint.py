@@ -10,7 +10,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="needs the vLLM environment: bash scripts/test.sh vllm")
 
-from specplug.common import train as T
+from specplug.common.training import train as T
 from tests.vllm.conftest import PROMPTS, drafter_of
 from tests.support.tiny_eagle3 import TINY_AUX_LAYER_IDS
 

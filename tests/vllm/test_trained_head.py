@@ -53,7 +53,7 @@ def trained_head_tau(engine, tmp_path_factory):
     from transformers import AutoTokenizer
     from vllm import SamplingParams
 
-    from specplug.common.data import prompts
+    from specplug.common.training.data import prompts
     from specplug.common.testbed import target_dir
 
     target = target_dir()

@@ -2,7 +2,7 @@
 state here and runs its network through one small seam (`runner.HeadRunner`), which
 specplug implements once with its own torch modules (`runner.TorchHeadRunner`: reference
 loop, training evaluation) and each engine adapter once with the modules the engine
-loaded (vLLM: `specplug.vllm_eagle3.dense_head.DenseEagle3Head`).
+loaded (vLLM: `specplug.vllm_eagle3.dense_head.DenseEagle3Head` and `DenseEagle1Head`).
 
 - `runner`: the seam (`HeadRunner`, `Segment`, `DraftStep`) and `TorchHeadRunner`.
 - `eagle`: EAGLE-1/3 drafting state for live requests (`EagleDrafting`): head KV per

@@ -11,7 +11,7 @@ Five on-disk formats, three methods. Each is mapped onto ONE canonical form per 
                           nested transformer_layer_config / speculators_config,
                           layers.0.* instead of midlayer.*
   eagle1   "eagle1"       the EAGLE repo's EAGLE-1 heads: Llama config.json, fc.weight  yes
-                          [H, 2H], layers.0.* without input_layernorm (formats_eagle1.py)
+                          [H, 2H], layers.0.* without input_layernorm (eagle1.py)
   medusa   "medusa"       FasterDecoding: medusa_lm_head.safetensors (or .pt),     yes
                           medusa_num_heads / medusa_num_layers,
                           {head}.{layer}.linear.weight|bias, {head}.{L}.weight
@@ -34,7 +34,7 @@ before any weight is used.
 Modules: ``base`` (the formats' names, CheckpointError, LoadedHead, SaveReport),
 ``files`` (reading a folder), ``parse`` (detection; source format -> canonical),
 ``checks`` (validation, against the target too), ``write`` (load, canonical -> format,
-save, convert, head modules); EAGLE-1 specifics in specplug.common.formats_eagle1.
+save, convert, head modules); EAGLE-1 specifics in specplug.common.formats.eagle1.
 """
 
 from .base import (

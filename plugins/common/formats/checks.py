@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from .. import formats_eagle1
+from . import eagle1 as formats_eagle1
 from .base import CheckpointError, LoadedHead, NUM_AUX_HIDDEN_STATES
 from .files import _checkpoint_dir, _read_config
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from .. import formats_eagle1
+from . import eagle1 as formats_eagle1
 from .base import _FIX_FORMATS, CheckpointError, EAGLE3_ARCHITECTURE, METHOD_OF_FORMAT
 from .files import _checkpoint_dir, _read_config, _tensor_names, _weight_files
 

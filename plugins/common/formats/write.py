@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from .. import formats_eagle1
+from . import eagle1 as formats_eagle1
 from .base import (
     CANONICAL_FORMAT, CheckpointError, DEFAULT_SPECULATIVE_TOKENS, FORMATS, LoadedHead, MEDUSA_HEAD_FILE,
     METHOD_OF_FORMAT, SAFETENSORS_METADATA, SaveReport,

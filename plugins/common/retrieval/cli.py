@@ -38,7 +38,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _chat_text(tokenizer, messages: list[dict]) -> str:
-    from specplug.common.data import format_chat
+    from specplug.common.training.data import format_chat
 
     if getattr(tokenizer, "chat_template", None):
         return format_chat(tokenizer, messages, add_generation_prompt=False)
@@ -46,7 +46,7 @@ def _chat_text(tokenizer, messages: list[dict]) -> str:
 
 
 def _file_texts(path: Path, tokenizer) -> list[str]:
-    from specplug.common import data
+    from specplug.common.training import data
 
     records = data.load_records(path)
     shared = data.conversations("sharegpt", path) if any("conversations" in r for r in records) else None
@@ -67,7 +67,7 @@ def corpus_texts(data_name: str, tokenizer, limit: int | None = None) -> list[st
     """Texts of a `--data` value (a packaged set or a .json/.jsonl file), the first ``limit``."""
     import gzip
 
-    from specplug.common import data
+    from specplug.common.training import data
 
     if data_name == "humaneval":
         with gzip.open(data.asset_path("humaneval"), "rt", encoding="utf-8") as f:

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from specplug.common.heads.eagle3 import Eagle3Config, Eagle3Head, default_aux_layer_ids
-from specplug.common.train import (
+from specplug.common.training.train import (
     Batch, TargetOutput, TrainConfig, read_checkpoint_state, shift_left, specplug_section)
 
 logger = logging.getLogger(__name__)

@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 from specplug.common.testbed import file_lock
-from specplug.common.train import Batch, Sample, TargetOutput, TrainConfig, collate, target_pass
+from specplug.common.training.train import Batch, Sample, TargetOutput, TrainConfig, collate, target_pass
 
 logger = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ modules import each other.)
 from __future__ import annotations
 
 import copy
-from . import formats as base
+from specplug.common import formats as base
 
 LAYER = "layers.0."
 # Names only an EAGLE-3 layer has; in an EAGLE-1 layout they mean a mislabelled checkpoint.

@@ -11,7 +11,7 @@ and asks `choose(batch)` before every step. An option is a chain depth (vLLM: no
 depth) or a tree budget (Medusa: one drafter pass, `nodes` = budget), whatever the
 adapter listed; the controller only sees SpecOption(depth, nodes, draft_steps).
 
-The choice is `specplug.common.cost.choose` on the measured costs, with optimism for
+The choice is `specplug.common.policy.cost.choose` on the measured costs, with optimism for
 what is not measured yet: the target-pass cost is known up to the largest token count
 timed so far (`x_max`, interpolated below it). Options whose verify pass would run
 more tokens than that are unknown; the smallest of them is offered at the optimistic
@@ -32,7 +32,7 @@ from typing import Mapping, Sequence
 
 import torch
 
-from specplug.common.cost import (
+from specplug.common.policy.cost import (
     AcceptanceTracker, AdaptiveConfig, Curve, SpecOption, StepCosts, choose, modelled_speedup,
     tree_depth_alphas,
 )

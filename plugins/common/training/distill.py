@@ -77,8 +77,8 @@ class PromptItem:
 def select_prompts(tokenizer, conversations: list[list[dict]], cfg: DistillConfig) -> list[PromptItem]:
     """First prompts in a seeded order, duplicates and over-long ones skipped, at most
     cfg.max_prompts."""
-    from specplug.common.data import format_chat
-    from specplug.common.train import first_prompt
+    from specplug.common.training.data import format_chat
+    from specplug.common.training.train import first_prompt
 
     order = list(range(len(conversations)))
     random.Random(cfg.seed).shuffle(order)
@@ -139,7 +139,7 @@ def _answered_ids(out: Path) -> set[str]:
 
 def hf_generator(target: str, cfg: DistillConfig):
     """texts -> replies with transformers' generate."""
-    from specplug.common.train import load_target
+    from specplug.common.training.train import load_target
 
     model, tokenizer = load_target(target)
     return lambda texts: generate_replies(model, tokenizer, texts, max_new_tokens=cfg.max_new_tokens,
@@ -189,7 +189,7 @@ def distill(cfg: DistillConfig, out: Path, *, engine: str = "vllm", batch_size: 
     from tqdm.auto import tqdm
     from transformers import AutoTokenizer
 
-    from specplug.common.data import conversations as load_conversations
+    from specplug.common.training.data import conversations as load_conversations
 
     tokenizer = AutoTokenizer.from_pretrained(cfg.target)
     done = check_resume(out, cfg)

@@ -1,10 +1,10 @@
 """`specplug train`: EAGLE-3 and Medusa heads for a Hugging Face causal LM.
 
 The head trains on the frozen target's states: written once before the loop into a
-memory-mapped cache (`train_cache`, the default) or recomputed by a live forward on
+memory-mapped cache (`states`, the default) or recomputed by a live forward on
 every batch (`--no-states-cache`, `target_pass`). The method-specific parts (head
-construction, loss, saving) live in `train_eagle3` and `train_medusa`, the loop (LR
-schedule, checkpoints, stopping, progress, throughput) in `train_loop`; this module owns
+construction, loss, saving) live in `eagle3` and `medusa`, the loop (LR
+schedule, checkpoints, stopping, progress, throughput) in `loop`; this module owns
 the settings (`TrainConfig`, the ONE place for defaults), the up-front checks that fail
 before any long work, the data (chat conversations -> token ids + a mask of assistant
 tokens), the target and the command line.
@@ -63,7 +63,7 @@ class TrainConfig:
     regen_batch_size: prompts generated at once (default batch_size; generation holds no
     gradients, so it can be several times larger).
     Cached under $SPECPLUG_CACHE/regenerated (see `regenerate`).
-    states_cache: train from the target's states written once (`train_cache`) instead of
+    states_cache: train from the target's states written once (`states`) instead of
     a live target forward per batch; states_cache_dir: its folder (default
     $SPECPLUG_CACHE/states/KEY). threads: torch.set_num_threads (None = torch's default).
     log_file: progress lines (step, loss, accuracy, tokens/s, ETA) every log_every steps
@@ -216,7 +216,7 @@ class Sample(NamedTuple):
 
 def load_conversations(data: str) -> list[list[dict]]:
     """Conversations for `--data`: a prompt-set name (sharegpt) or a ShareGPT-style .json/.jsonl file."""
-    from specplug.common import data as datasets
+    from specplug.common.training import data as datasets
 
     path = Path(data)
     if data == "sharegpt":
@@ -242,7 +242,7 @@ def tokenize_conversation(tokenizer, messages: list[dict], max_length: int) -> S
     (with the generation prompt) and up to its end; tokens starting inside a span are
     masked in. None when no assistant token survives the cut to max_length.
     """
-    from specplug.common.data import format_chat
+    from specplug.common.training.data import format_chat
 
     while messages and messages[0]["role"] == "assistant":
         messages = messages[1:]
@@ -346,7 +346,7 @@ def regenerate(target, tokenizer, conversations: list[list[dict]], cfg: TrainCon
     """
     from tqdm.auto import tqdm
 
-    from specplug.common.data import format_chat
+    from specplug.common.training.data import format_chat
 
     cache = regenerate_cache_path(cfg)
     if cache.is_file():
@@ -379,7 +379,7 @@ def regenerate(target, tokenizer, conversations: list[list[dict]], cfg: TrainCon
 def _generate_replies(target, tokenizer, texts: list[str], cfg: TrainConfig) -> list[str]:
     """The target's replies to chat-templated prompt texts, up to max_length tokens in all
     for the batch's shortest prompt, decoded without special tokens."""
-    from specplug.common.distill import generate_replies
+    from specplug.common.training.distill import generate_replies
 
     shortest = min(len(tokenizer(t, add_special_tokens=False)["input_ids"][-(cfg.max_length - 1):]) for t in texts)
     return generate_replies(target, tokenizer, texts, max_new_tokens=max(1, cfg.max_length - shortest),
@@ -445,7 +445,7 @@ def shift_left(x: torch.Tensor, n: int, fill: float | int = 0) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------
 class TargetOutput(NamedTuple):
     """The frozen target's states for a batch: from a live pass (`target_pass`, logits
-    given) or from cached states (`train_cache`: logits None, top1 and lm_head given).
+    given) or from cached states (`states`: logits None, top1 and lm_head given).
     Losses read scores through `scores` / `argmax`, which agree on both: the cached view
     computes only the vocab columns asked for, from the cached last hidden state."""
 
@@ -495,14 +495,14 @@ def load_target(path: str, device: str = "cpu"):
 
 
 # ---------------------------------------------------------------------------------------
-# A run: set up, loop (`train_loop`), output
+# A run: set up, loop (`loop`), output
 # ---------------------------------------------------------------------------------------
 def method_module(method: str):
     """The module implementing one method's head, loss and output."""
     if method == "eagle3":
-        from specplug.common import train_eagle3 as module
+        from specplug.common.training import eagle3 as module
     else:
-        from specplug.common import train_medusa as module
+        from specplug.common.training import medusa as module
     return module
 
 
@@ -523,7 +523,7 @@ class TrainResult:
     last_loss: float
     accuracy: list[float]  # per step position (EAGLE-3) or head (Medusa), top-1, last window
     files: list[str]
-    eval: dict | None = None  # train_eval.evaluate's report (greedy, MT-bench), when run
+    eval: dict | None = None  # evaluate.evaluate's report (greedy, MT-bench), when run
     schedule_steps: int = 0  # steps of the whole run (steps < schedule_steps: stopped early)
     stopped: str | None = None  # None = finished; "minutes" / "SIGINT" / "SIGTERM": --resume continues
 
@@ -534,7 +534,7 @@ def train(cfg: TrainConfig) -> TrainResult:
     A sitting stopped early (--minutes, SIGINT, SIGTERM) writes its checkpoint and
     training.json; after --minutes also the head so far; the final eval runs only at the
     schedule's end."""
-    from specplug.common import train_loop
+    from specplug.common.training import loop as train_loop
 
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
@@ -558,7 +558,7 @@ def train(cfg: TrainConfig) -> TrainResult:
 def _start(cfg: TrainConfig, method, target, tokenizer, samples: list[Sample], out: Path):
     """(train_loop.Run, state) of this sitting: a new head, or the checkpoint's head,
     optimizer and RNG states (--resume); the cached target states opened (written if new)."""
-    from specplug.common import train_loop
+    from specplug.common.training import loop as train_loop
 
     if cfg.overwrite and (out / CHECKPOINT).is_dir():
         import shutil
@@ -585,7 +585,7 @@ def _states_cache(cfg: TrainConfig, method, head, target, samples: list[Sample],
     --no-states-cache. state["states_cache"] records the sitting that wrote them."""
     if not cfg.states_cache:
         return None
-    from specplug.common import train_cache
+    from specplug.common.training import states as train_cache
 
     reader, info = train_cache.open_states(cfg, target, samples, method.aux_ids(head, target), pad_id)
     if info["written"] or "states_cache" not in state:
@@ -596,7 +596,7 @@ def _states_cache(cfg: TrainConfig, method, head, target, samples: list[Sample],
 def _finish(run, state: dict, tokenizer, heldout: list[Sample], stopped: str | None) -> TrainResult:
     """Write the head (not after a signal), run the final eval (only when finished) and
     training.json; the result."""
-    from specplug.common import train_loop
+    from specplug.common.training import loop as train_loop
 
     files: list[str] = []
     if stopped in (None, "minutes"):
@@ -614,7 +614,7 @@ def final_eval(out: Path, target, tokenizer, cfg: TrainConfig) -> dict | None:
     """Greedy tau of the written head on cfg.eval_prompts MT-bench prompts (None if 0)."""
     if cfg.eval_prompts < 1:
         return None
-    from specplug.common.train_eval import EvalConfig, evaluate, load_drafter
+    from specplug.common.training.evaluate import EvalConfig, evaluate, load_drafter
 
     eval_cfg = EvalConfig("mtbench", cfg.eval_prompts, cfg.eval_tokens)
     report = evaluate(target, tokenizer, load_drafter(out, target), eval_cfg)

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from specplug.common.heads.medusa import MedusaConfig, MedusaHeads
-from specplug.common.train import (
+from specplug.common.training.train import (
     Batch, TargetOutput, TrainConfig, batch_at, read_checkpoint_state, shift_left, specplug_section, target_pass)
 
 logger = logging.getLogger(__name__)

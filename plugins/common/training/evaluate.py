@@ -6,7 +6,7 @@ the steps of all prompts into one `metrics.AcceptanceStats`: tau = tokens emitte
 verify step over all steps, per-position acceptance = fraction of steps that accepted
 at least d+1 draft tokens.
 
-    python -m specplug.common.train_eval --head HEAD_DIR --target TARGET_DIR \
+    python -m specplug.common.training.evaluate --head HEAD_DIR --target TARGET_DIR \
         --set mtbench --prompts 8 --tokens 64 [--temperature 0.7] [--depth 4 --topk 4 --budget 15]
 """
 
@@ -60,7 +60,7 @@ def load_drafter(head_dir, target):
 
 def pick_prompts(name: str, tokenizer, count: int):
     """`count` prompts spread evenly over the set (so MT-bench's 8 categories all appear)."""
-    from specplug.common.data import prompts
+    from specplug.common.training.data import prompts
 
     items = prompts(name, tokenizer)
     stride = max(1, len(items) // max(1, count))
@@ -90,7 +90,7 @@ def evaluate(target, tokenizer, drafter, cfg: EvalConfig) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     d = EvalConfig()
-    parser = argparse.ArgumentParser(prog="python -m specplug.common.train_eval", description=__doc__.split("\n")[0],
+    parser = argparse.ArgumentParser(prog="python -m specplug.common.training.evaluate", description=__doc__.split("\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--head", required=True, help="trained head folder")
     parser.add_argument("--target", required=True, help="target model folder")

@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from specplug.common.train import (
+from specplug.common.training.train import (
     CHECKPOINT, Batch, TargetOutput, TrainConfig, batch_indices, collate, target_pass)
 
 logger = logging.getLogger(__name__)
@@ -54,7 +54,7 @@ class Run:
     """What one sitting of the loop works on (the evolving `state` dict travels beside it)."""
 
     cfg: TrainConfig
-    method: Any  # train_eagle3 or train_medusa
+    method: Any  # training.eagle3 or training.medusa
     head: torch.nn.Module
     target: Any
     samples: list  # list[Sample]
@@ -62,7 +62,7 @@ class Run:
     out: Path
     pad_id: int
     schedule: int  # optimizer steps of the whole run
-    states: Any = None  # train_cache.StatesReader; None = a live target pass per batch
+    states: Any = None  # states.StatesReader; None = a live target pass per batch
     started: float = dataclasses.field(default_factory=time.perf_counter)  # this sitting
 
 
