@@ -29,6 +29,7 @@ from vllm.v1.spec_decode.eagle import EagleProposer
 
 from specplug.vllm_eagle3.adaptive import AdaptiveController
 from specplug.vllm_eagle3.dense_head import DenseEagle1Head, DenseEagle3Head
+from specplug.vllm_eagle3.runner_state import RunnerState
 from specplug.vllm_eagle3.sampler import SpecplugChainSampler, needs_chain
 from specplug.vllm_eagle3.settings import (
     AdapterSettings,
@@ -52,7 +53,7 @@ class SpecplugEagleProposer(EagleProposer):
 
     def __init__(self, vllm_config, device, runner=None):
         super().__init__(vllm_config, device, runner)
-        self.runner = runner  # request ids and discard mask of the batch being drafted
+        self.state = None if runner is None else RunnerState(runner)  # vLLM's runner: the batch being drafted
         section = specplug_section(self.draft_model_config.hf_config, self.method)
         self.specplug: AdapterSettings | None = None
         if section is None:
@@ -82,19 +83,18 @@ class SpecplugEagleProposer(EagleProposer):
 
     def load_model(self, target_model):
         super().load_model(target_model)
-        if self.specplug is not None and self.runner is not None:
+        if self.specplug is not None and self.state is not None:
             # the runner builds its rejection sampler after the drafter: swap it here
             on_verify = None if self.adaptive is None else self.adaptive.record_verify
             if self.specplug.stage == "tree":
                 from specplug.vllm_eagle3.tree_verify import TreeVerifier
-                self.tree_verifier = TreeVerifier(self.runner)
+                self.tree_verifier = TreeVerifier(self.state)
                 self.tree_verifier.install()
                 logger.info("specplug stage tree: runner._prepare_inputs and _build_attention_metadata "
                             "wrapped (tree positions, ancestor mask via CPU_ATTN override, KV "
                             "compaction after verification)")
-            self.runner.rejection_sampler = SpecplugChainSampler(
-                self.runner.rejection_sampler, on_verify, self.tree_verifier, self._request_params,
-                self._request_positions)
+            self.state.replace_rejection_sampler(lambda own: SpecplugChainSampler(
+                own, on_verify, self.tree_verifier, self._request_params, self.state.tokens_before_step))
             logger.info("specplug: runner.rejection_sampler replaced by SpecplugChainSampler "
                         "(specplug.common.sampling.verify)")
 
@@ -138,7 +138,7 @@ class SpecplugEagleProposer(EagleProposer):
         stage "tree" every kept tree node, [batch, budget]."""
         batch = attn_metadata.num_reqs
         self._forget_finished()
-        discarded = self.runner.discard_request_mask.cpu[:batch].tolist()
+        discarded = self.state.discarded(batch)
         rows, requests = self._committed_rows(token_ids, positions, aux_hidden, next_token_ids,
                                               attn_metadata, num_rejected, discarded)
         if self.token_drafter is not None:
@@ -194,7 +194,7 @@ class SpecplugEagleProposer(EagleProposer):
         trees = self.drafting.trees(roots, TreeConfig(config.depth, config.topk, config.budget))
         trees = self._with_token_drafts(trees, req_ids, None, budget=config.budget)
         drafts = trees.candidates[:, 1:].clone()  # [B, N - 1]
-        chained = torch.tensor([needs_chain(self.runner.requests[r].sampling_params) for r in req_ids])
+        chained = torch.tensor([needs_chain(self.state.sampling_params(r)) for r in req_ids])
         if chained.any():
             drafts[chained] = best_chains(trees, drafts.shape[1])[chained]
         for b, req_id in enumerate(req_ids):
@@ -235,8 +235,7 @@ class SpecplugEagleProposer(EagleProposer):
         if have is not None and have >= length:
             drafter.rollback(req_id, length)
             return True
-        state = self.runner.requests[req_id]
-        known = list(state.prompt_token_ids or []) + list(state.output_token_ids)
+        known = self.state.known_tokens(req_id)
         if len(known) < length or min(known[:length], default=0) < 0:
             return False
         if have is None:
@@ -250,7 +249,7 @@ class SpecplugEagleProposer(EagleProposer):
         """(batch rows with new tokens, their Committed rows): what vLLM committed this
         step, rejected drafts cut off."""
         batch = attn_metadata.num_reqs
-        req_ids = self.runner.input_batch.req_ids[:batch]
+        req_ids = self.state.request_ids(batch)
         starts = attn_metadata.query_start_loc_cpu[: batch + 1].tolist()
         rejected = [0] * batch if num_rejected is None else num_rejected[:batch].tolist()
         total = starts[-1]
@@ -264,7 +263,7 @@ class SpecplugEagleProposer(EagleProposer):
             if end <= start:
                 continue
             if discarded[b]:  # partial prefill: vLLM's next token is a placeholder
-                next_tokens[b] = self.runner.requests[req_id].get_token_id(int(positions[end - 1]) + 1)
+                next_tokens[b] = self.state.token_at(req_id, int(positions[end - 1]) + 1)
             rows.append(b)
             last.append(end - 1)
             requests.append(Committed(req_id, shifted[start:end], positions[start:end], hidden[start:end]))
@@ -273,13 +272,7 @@ class SpecplugEagleProposer(EagleProposer):
 
     def _request_params(self, batch):
         """SamplingParams of the first `batch` rows of vLLM's input batch (None where unknown)."""
-        requests = self.runner.requests
-        return [getattr(requests.get(r), "sampling_params", None) for r in self.runner.input_batch.req_ids[:batch]]
-
-    def _request_positions(self, batch) -> torch.Tensor:
-        """Long [batch]: tokens each of the first `batch` rows holds before this step
-        (prompt + committed output), i.e. the position of its next token."""
-        return torch.from_numpy(self.runner.input_batch.num_tokens_no_spec[:batch].copy()).long()
+        return [self.state.sampling_params(r) for r in self.state.request_ids(batch)]
 
     def _log_active(self):
         tree = self.specplug.tree
@@ -296,7 +289,7 @@ class SpecplugEagleProposer(EagleProposer):
         return "EAGLE-3" if self.method == "eagle3" else "EAGLE-1"
 
     def _forget_finished(self):
-        live = self.runner.requests
+        live = self.state.live
         self.drafting.forget(live)
         if self.token_drafter is not None:
             for req_id in [r for r in self.token_drafter.live if r not in live]:

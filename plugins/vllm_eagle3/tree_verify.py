@@ -4,7 +4,8 @@ The scheduler is untouched: the proposer hands vLLM a tree's N non-root nodes as
 tokens (node i is draft token i; parents precede children, so any prefix of the nodes
 vLLM may keep is still a tree) and records the topology here, keyed by request id.
 vLLM reserves the N slots ctx+1..ctx+N as for a chain. `TreeVerifier` then hooks the
-model runner (instance attributes, installed once by `install`):
+model runner through runner_state.RunnerState (instance attributes, installed once by
+`install`):
 
 1. `_prepare_inputs`: builds the step's plan and overwrites the tree rows' positions with
    ctx + depth (the slot mapping is already computed from the chain positions, so only
@@ -31,6 +32,7 @@ import torch
 
 from specplug.common.tree import ancestor_mask, is_chain, tree_depths
 from specplug.vllm_eagle3 import paged_kv
+from specplug.vllm_eagle3.runner_state import RunnerState
 from specplug.vllm_eagle3.tree_attention import TreeRows
 
 logger = logging.getLogger(__name__)
@@ -65,32 +67,17 @@ def check_platform(vllm_config) -> None:
 class TreeVerifier:
     """Per-engine stage-B state: recorded trees, the current step's plan, the compaction."""
 
-    def __init__(self, runner):
-        self.runner = runner
+    def __init__(self, state: RunnerState):
+        self.state = state
         self._drafted: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # req -> (tokens, parents) [N + 1]
         self.step: TreeStep | None = None
         self._order: torch.Tensor | None = None  # Long [T] row permutation for the drafter
 
     # -- hooks ---------------------------------------------------------------------------
     def install(self) -> None:
-        """Wrap the runner's `_prepare_inputs` and `_build_attention_metadata` (instance
-        attributes: the class and other engines are untouched)."""
-        runner = self.runner
-        prepare, build = runner._prepare_inputs, runner._build_attention_metadata
-
-        def _prepare_inputs(scheduler_output, num_scheduled_tokens):
-            out = prepare(scheduler_output, num_scheduled_tokens)
-            self._plan(out[1])
-            return out
-
-        def _build_attention_metadata(*args, **kwargs):
-            attn_metadata, spec_metadata = build(*args, **kwargs)
-            if self.step is not None and not kwargs.get("for_cudagraph_capture", False):
-                self._attach(attn_metadata)
-            return attn_metadata, spec_metadata
-
-        runner._prepare_inputs = _prepare_inputs
-        runner._build_attention_metadata = _build_attention_metadata
+        """Plan each step after the runner prepares its inputs; attach the plan to the
+        attention metadata it builds (RunnerState.wrap_step_inputs)."""
+        self.state.wrap_step_inputs(self._plan, self._attach)
 
     def record(self, req_id: str, tokens: torch.Tensor, parents: torch.Tensor) -> None:
         """The tree handed to vLLM for req_id: tokens / parents Long [N + 1], root first."""
@@ -104,10 +91,10 @@ class TreeVerifier:
         if spec_metadata is None or not self._drafted:
             return
         num_reqs = len(spec_metadata.num_draft_tokens)
-        req_ids = self.runner.input_batch.req_ids[:num_reqs]
+        req_ids = self.state.request_ids(num_reqs)
         drafted = {r: self._drafted.pop(r) for r in req_ids if r in self._drafted}  # consumed now
-        self._drafted = {r: d for r, d in self._drafted.items() if r in self.runner.requests}  # unscheduled, live
-        ends = self.runner.query_start_loc.np[1:num_reqs + 1].tolist()
+        self._drafted = {r: d for r, d in self._drafted.items() if r in self.state.live}  # unscheduled, live
+        ends = self.state.query_ends(num_reqs)
         drafts = spec_metadata.draft_token_ids.cpu().split(spec_metadata.num_draft_tokens)
         parents, root_rows, trees = [], [], []
         for b, (req_id, n) in enumerate(zip(req_ids, spec_metadata.num_draft_tokens)):
@@ -131,7 +118,7 @@ class TreeVerifier:
 
     def _tree_rows(self, batch_row: int, root_row: int, parents: torch.Tensor) -> TreeRows:
         """Tree positions for the request's rows; its TreeRows for the attention."""
-        positions = self.runner.positions  # [max tokens], chain positions from _prepare_inputs
+        positions = self.state.positions  # [max tokens], chain positions from _prepare_inputs
         rows = slice(root_row, root_row + parents.shape[0])
         positions[rows] = positions[root_row] + tree_depths(parents).to(positions.dtype)
         mask = ancestor_mask(parents)  # [N, N]
@@ -139,6 +126,9 @@ class TreeVerifier:
         return TreeRows(batch_row, root_row, mask, (mask != chain_mask).any(dim=1).nonzero().flatten())
 
     def _attach(self, attn_metadata) -> None:
+        """The step's trees onto every CPU attention metadata object (no step: nothing)."""
+        if self.step is None:
+            return
         if not isinstance(attn_metadata, dict):
             raise RuntimeError("specplug stage \"tree\" does not support micro-batching (ubatch): "
                                "use stage \"chain\" (SPECPLUG_STAGE=chain)")
@@ -175,14 +165,13 @@ class TreeVerifier:
         if src.numel() == 0:
             return
         self._copy_kv(step.layer_slots, src, dst)
-        total = int(self.runner.query_start_loc.np[len(step.parents)])
+        total = self.state.query_ends(len(step.parents))[-1]
         self._order = torch.arange(total)
         self._order[dst] = src
 
     def _copy_kv(self, layer_slots: dict[str, torch.Tensor], src_rows, dst_rows) -> None:
-        layers = self.runner.compilation_config.static_forward_context
         for layer_name, slots in layer_slots.items():
-            layer = layers[layer_name]
+            layer = self.state.attention_layer(layer_name)
             paged_kv.copy_slots(layer.kv_cache, layer.isa, slots[src_rows].long(), slots[dst_rows].long())
 
     def committed_order(self, *rows: torch.Tensor) -> tuple[torch.Tensor, ...]:

@@ -115,12 +115,12 @@ ORACLE_TOKENS = 1 + 4 * 6  # the prefill's token, then 6 steps of 3 accepted + b
 def _oracle(drafter, expected: dict):
     """Replace the drafter's tree drafting by the oracle tree (expected: prompt token ids
     -> prompt + greedy output of vLLM without speculation)."""
-    vocab = drafter.runner.model_config.get_vocab_size()
+    vocab = drafter.state.runner.model_config.get_vocab_size()
 
     def draft_trees(roots, req_ids):
         drafts = []
         for root, req_id in zip(roots, req_ids):
-            full = expected[tuple(drafter.runner.requests[req_id].prompt_token_ids)]
+            full = expected[tuple(drafter.state.runner.requests[req_id].prompt_token_ids)]
             # the root is the token after its position; its descendants follow in `full`
             right = [full[i] if i < len(full) else 0 for i in range(root.position + 2, root.position + 5)]
             tokens = torch.tensor([root.token] + [t for r in right for t in ((r + 1) % vocab, r)])
@@ -158,9 +158,9 @@ def _chain_positions(verifier):
     tree_rows = verifier._tree_rows
 
     def wrong(batch_row, root_row, parents):
-        chain = verifier.runner.positions[root_row:root_row + len(parents)].clone()
+        chain = verifier.state.positions[root_row:root_row + len(parents)].clone()
         out = tree_rows(batch_row, root_row, parents)
-        verifier.runner.positions[root_row:root_row + len(parents)] = chain
+        verifier.state.positions[root_row:root_row + len(parents)] = chain
         return out
     return "_tree_rows", wrong
 

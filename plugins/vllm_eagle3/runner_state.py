@@ -1,0 +1,94 @@
+"""vLLM's V1 model runner as the adapter reads and hooks it: the one module that touches
+the runner's request state and step layout (all private in vLLM 0.32.0; register()
+checks the version before any of this is imported).
+
+The proposer (proposer.py) and stage "tree" (tree_verify.py) both go through
+`RunnerState`; engine_fixes.py keeps its own class-level fix, and the attention,
+KV-layout and model internals stay with the modules that use them (see
+docs/architecture.md for the full list of engine-private names).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Mapping
+
+import torch
+
+
+class RunnerState:
+    """Reads of one GPUModelRunner (vLLM-CPU runs the same class) for the first `batch`
+    rows of its input batch, and the two hooks stage "tree" needs."""
+
+    def __init__(self, runner):
+        self.runner = runner
+
+    # -- requests ------------------------------------------------------------------------
+    def request_ids(self, batch: int) -> list[str]:
+        """The request ids of batch rows 0..batch-1, in row order."""
+        return self.runner.input_batch.req_ids[:batch]
+
+    @property
+    def live(self) -> Mapping:
+        """Every request the runner holds (scheduled or not), by id."""
+        return self.runner.requests
+
+    def sampling_params(self, req_id: str):
+        """The request's SamplingParams, None if unknown."""
+        return getattr(self.runner.requests.get(req_id), "sampling_params", None)
+
+    def known_tokens(self, req_id: str) -> list[int]:
+        """Prompt then output tokens vLLM holds for the request (negative ids: embeddings)."""
+        state = self.runner.requests[req_id]
+        return list(state.prompt_token_ids or []) + list(state.output_token_ids)
+
+    def token_at(self, req_id: str, position: int) -> int:
+        """The request's token at `position` (prompt or committed output)."""
+        return self.runner.requests[req_id].get_token_id(position)
+
+    # -- this step's layout --------------------------------------------------------------
+    def discarded(self, batch: int) -> list[bool]:
+        """Per row: vLLM discards the token sampled this step (a partial prefill)."""
+        return self.runner.discard_request_mask.cpu[:batch].tolist()
+
+    def tokens_before_step(self, batch: int) -> torch.Tensor:
+        """Long [batch]: tokens each row holds before this step (prompt + committed output)."""
+        return torch.from_numpy(self.runner.input_batch.num_tokens_no_spec[:batch].copy()).long()
+
+    def query_ends(self, batch: int) -> list[int]:
+        """Per row: one past its last token row in this step's flat token layout."""
+        return self.runner.query_start_loc.np[1:batch + 1].tolist()
+
+    @property
+    def positions(self) -> torch.Tensor:
+        """Long [max tokens]: the step's token positions (written in place by stage tree)."""
+        return self.runner.positions
+
+    def attention_layer(self, name: str):
+        """The attention layer `name` (its kv_cache and isa)."""
+        return self.runner.compilation_config.static_forward_context[name]
+
+    # -- hooks ---------------------------------------------------------------------------
+    def wrap_step_inputs(self, after_prepare: Callable, after_build: Callable) -> None:
+        """After the runner's `_prepare_inputs`, call after_prepare(spec_metadata); after
+        `_build_attention_metadata` (not for cudagraph capture), after_build(attn_metadata).
+        Instance attributes: the class and other engines are untouched."""
+        runner = self.runner
+        prepare, build = runner._prepare_inputs, runner._build_attention_metadata
+
+        def _prepare_inputs(scheduler_output, num_scheduled_tokens):
+            out = prepare(scheduler_output, num_scheduled_tokens)
+            after_prepare(out[1])
+            return out
+
+        def _build_attention_metadata(*args, **kwargs):
+            attn_metadata, spec_metadata = build(*args, **kwargs)
+            if not kwargs.get("for_cudagraph_capture", False):
+                after_build(attn_metadata)
+            return attn_metadata, spec_metadata
+
+        runner._prepare_inputs = _prepare_inputs
+        runner._build_attention_metadata = _build_attention_metadata
+
+    def replace_rejection_sampler(self, make: Callable) -> None:
+        """runner.rejection_sampler = make(the runner's own rejection sampler)."""
+        self.runner.rejection_sampler = make(self.runner.rejection_sampler)
