@@ -150,9 +150,11 @@ def check_head_matches_target(head_dir: str, target_config: Any, vllm_method: st
     head = formats.load_head(head_dir, target_config)
     expected = HEAD_METHOD[vllm_method]
     if head.method != expected:
-        raise ValueError(f"{head_dir} holds an {head.method.upper()} head ({head.format} format), but vLLM was "
-                         f"asked for method {vllm_method!r}: pass the method of an {head.method.upper()} head "
-                         f"({ {v: k for k, v in HEAD_METHOD.items()}.get(head.method, 'none in vLLM')!r})")
+        kind = {"eagle3": "EAGLE-3", "eagle1": "EAGLE-1"}.get(head.method, head.method)
+        method = {v: k for k, v in HEAD_METHOD.items()}.get(head.method)
+        raise ValueError(f"{head_dir} holds {kind} heads ({head.format} format), but vLLM was asked for method "
+                         f"{vllm_method!r}: " + (f"pass \"method\": \"{method}\" in --speculative-config" if method
+                                                  else "serve them in SGLang (--speculative-algorithm MEDUSA)"))
     if head.method == "eagle1" and "fc.bias" in head.state_dict:
         raise ValueError(f"{head_dir}: the EAGLE-1 head has an fc bias (fc.bias), which vLLM 0.32's EAGLE-1 model "
                          "cannot load: serve it in SGLang with --speculative-algorithm SPECPLUG_EAGLE3, or use "
