@@ -35,9 +35,12 @@ DRAFT_MODEL_TREE = {"speculative_num_draft_tokens": 5, "speculative_num_steps": 
 
 @contextlib.contextmanager
 def _environment(settings: dict[str, str]):
-    """os.environ with exactly `settings` among SETTINGS_ENV while an engine starts (its
-    scheduler reads them); every one of them restored afterwards."""
-    saved = {name: os.environ.pop(name, None) for name in SETTINGS_ENV}
+    """`settings` in os.environ while an engine starts (its scheduler reads them), and
+    SPECPLUG_DRAFTER unset unless they set it (only DRAFT_MODEL takes a drafter from the
+    bench); every variable touched is restored afterwards. A variable the user set and
+    the method does not (e.g. SPECPLUG_RETRIEVAL=0 for `eagle3`) is left as it is."""
+    touched = {ENV_DRAFTER, *settings}
+    saved = {name: os.environ.pop(name, None) for name in touched}
     os.environ.update(settings)
     try:
         yield
@@ -48,7 +51,6 @@ def _environment(settings: dict[str, str]):
                 os.environ[name] = value
 
 
-SETTINGS_ENV = (ENV_DRAFTER, ENV_RETRIEVAL, DRAFT_TEMPERATURE_ENV)  # what a method may set
 TYPICAL = {"speculative_accept_threshold_single": 0.09, "speculative_accept_threshold_acc": 0.3}
 
 
@@ -143,7 +145,7 @@ class SglangRunner:
         raise SystemExit(f"specplug bench: unknown SGLang method {method!r}; choose from {self.methods()}")
 
     def environment(self, method: str) -> dict[str, str]:
-        """The specplug variables `method`'s engine starts with (all others unset)."""
+        """The specplug variables `method`'s engine starts with (see _environment)."""
         if method == "draft-model":
             return {ENV_DRAFTER: json.dumps({"model": self.draft_model})}
         if method == "eagle3-head":

@@ -60,10 +60,13 @@ def test_draft_model_method_sets_the_drafter_only_while_its_engine_starts(sgl_mo
     with _environment(runner.environment("draft-model")):
         import os
         assert os.environ["SPECPLUG_DRAFTER"] == '{"model": "/models/draft"}'
-        assert "SPECPLUG_RETRIEVAL" not in os.environ
+        assert os.environ["SPECPLUG_RETRIEVAL"] == "1"  # the user's, not the method's: left as set
     assert os.environ["SPECPLUG_DRAFTER"] == "mine" and os.environ["SPECPLUG_RETRIEVAL"] == "1"
     with _environment(runner.environment("none")):
         assert "SPECPLUG_DRAFTER" not in os.environ
+    with _environment({"SPECPLUG_RETRIEVAL": "0"}):  # eagle3-head's
+        assert os.environ["SPECPLUG_RETRIEVAL"] == "0"
+    assert os.environ["SPECPLUG_RETRIEVAL"] == "1"
 
 
 def test_eagle3_head_alone_and_sampled_methods(sgl_model):
