@@ -18,13 +18,16 @@ from specplug.common.drafting.runner import DraftStep, Segment
 
 
 class _DenseLayer:
-    """One vLLM decoder layer's attention run over caller-owned dense KV, per request."""
+    """One vLLM decoder layer's attention run over caller-owned dense KV, per request.
+    Subclasses name their head kind in KIND."""
 
-    def __init__(self, model, what: str):
+    KIND = "EAGLE"
+
+    def __init__(self, model):
         layers = model.model.layers
         if len(layers) != 1:
             raise ValueError(
-                f"the specplug {what} proposer needs a one-layer head (num_hidden_layers=1), "
+                f"the specplug {self.KIND} proposer needs a one-layer head (num_hidden_layers=1), "
                 f"got {len(layers)} layers: use vLLM's built-in path (drop the specplug section)"
             )
         self.model = model
@@ -80,8 +83,7 @@ class DenseEagle3Head(_DenseLayer):
     predicts x_{i+2}; RoPE uses position i.
     """
 
-    def __init__(self, model):
-        super().__init__(model, "EAGLE-3")
+    KIND = "EAGLE-3"
 
     @property
     def token_map(self) -> torch.Tensor | None:
@@ -118,10 +120,8 @@ class DenseEagle1Head(_DenseLayer):
     r + mlp(norm(r)), scored by the target's lm_head. h is the target's final hidden
     state (after its norm) for committed positions, the parent's output r in a tree."""
 
+    KIND = "EAGLE-1"
     token_map = None  # EAGLE-1 drafts in the target's vocabulary
-
-    def __init__(self, model):
-        super().__init__(model, "EAGLE-1")
 
     def combine(self, aux_hidden: torch.Tensor) -> torch.Tensor:
         """The target's final hidden state [T, H] is the feature itself."""

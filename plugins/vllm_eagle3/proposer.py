@@ -9,8 +9,9 @@ the aux layers'; EAGLE-1: the final one) and hands vLLM one root path of it as i
 chain (stage A: the path with the largest expected accepted length), which specplug's
 chain sampler (sampler.py, in place of the runner's rejection sampler) verifies
 losslessly. In stage "tree" (tree_verify.py) it hands vLLM every kept node of the tree
-as a draft token instead, and vLLM's target verifies the whole tree in one pass; requests whose sampling needs vLLM's
-own sampler or a grammar (sampler.needs_chain) still get a chain.
+as a draft token instead, and vLLM's target verifies the whole tree in one pass;
+requests whose sampling needs vLLM's own sampler or a grammar (sampler.needs_chain)
+still get a chain.
 
 Drafting itself is the core's (specplug.common.drafting.eagle.EagleDrafting: the head's
 per-request KV, catch-up, roll-back to the first position vLLM sends in a step, deferred
@@ -279,14 +280,12 @@ class SpecplugEagleProposer(EagleProposer):
         if self.specplug.stage == "tree":
             logger.info("specplug %s proposer active for head %s: dynamic tree topk=%d depth=%d "
                         "budget=%d, stage tree (the whole tree is verified in one target pass)",
-                        self._kind(), self.draft_model_config.model, tree.topk, tree.depth, tree.budget)
+                        self.head_runner.KIND, self.draft_model_config.model, tree.topk, tree.depth, tree.budget)
         else:
             logger.info("specplug %s proposer active for head %s: dynamic tree topk=%d depth=%d, "
                         "stage chain (the tree's best path is verified as a chain)",
-                        self._kind(), self.draft_model_config.model, tree.topk, self.num_speculative_tokens)
-
-    def _kind(self) -> str:
-        return "EAGLE-3" if self.method == "eagle3" else "EAGLE-1"
+                        self.head_runner.KIND, self.draft_model_config.model, tree.topk,
+                        self.num_speculative_tokens)
 
     def _forget_finished(self):
         live = self.state.live

@@ -74,6 +74,7 @@ class AdapterSettings:
 
 # vLLM's speculative method -> the method a specplug head's section names
 HEAD_METHOD = {"eagle3": "eagle3", "eagle": "eagle1"}
+VLLM_METHOD = {head: vllm for vllm, head in HEAD_METHOD.items()}  # and back
 
 
 def specplug_section(hf_config: Any, vllm_method: str = "eagle3") -> dict | None:
@@ -89,7 +90,7 @@ def specplug_section(hf_config: Any, vllm_method: str = "eagle3") -> dict | None
     expected = HEAD_METHOD[vllm_method]
     given = section.get("method", expected)
     if given != expected:
-        fix = {v: k for k, v in HEAD_METHOD.items()}.get(given)
+        fix = VLLM_METHOD.get(given)
         raise ValueError(
             f"the head's specplug section says method {given!r}, but vLLM was asked for method {vllm_method!r}: "
             + (f"pass \"method\": \"{fix}\" in --speculative-config" if fix else
@@ -151,7 +152,7 @@ def check_head_matches_target(head_dir: str, target_config: Any, vllm_method: st
     expected = HEAD_METHOD[vllm_method]
     if head.method != expected:
         kind = {"eagle3": "EAGLE-3", "eagle1": "EAGLE-1"}.get(head.method, head.method)
-        method = {v: k for k, v in HEAD_METHOD.items()}.get(head.method)
+        method = VLLM_METHOD.get(head.method)
         raise ValueError(f"{head_dir} holds {kind} heads ({head.format} format), but vLLM was asked for method "
                          f"{vllm_method!r}: " + (f"pass \"method\": \"{method}\" in --speculative-config" if method
                                                   else "serve them in SGLang (--speculative-algorithm MEDUSA)"))
