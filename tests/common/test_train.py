@@ -135,6 +135,29 @@ def test_resume_continues_from_the_checkpoint(tiny_llama_path, counting_data, tm
     assert torch.equal(formats.load_head(tmp_path / "h").state_dict["d2t"], first)  # never re-derived
 
 
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("method", ["eagle3", "medusa"])
+def test_init_starts_from_a_trained_head_and_adds_its_training(trained, tiny_llama_path, counting_data, tmp_path,
+                                                               method):
+    """--init: the new run starts where the trained head ended (first loss well below a
+    scratch run's), keeps its draft vocabulary, and training.json totals both runs."""
+    result, folder = trained[method]
+    out = tmp_path / "more"
+    more = T.train(_config(method, tiny_llama_path, out, counting_data, steps=3, init=str(folder)))
+    scratch_first = json.loads((folder / "checkpoint" / "state.json").read_text())["losses"][0]
+    assert more.first_loss < 0.8 * scratch_first
+    record = json.loads((out / "training.json").read_text())
+    assert record["init"] == {"head": str(folder), "steps": 24, "minutes": pytest.approx(result.seconds / 60, abs=0.01)}
+    assert record["total"]["steps"] == 27
+    if method == "eagle3":
+        assert torch.equal(formats.load_head(out).state_dict["d2t"], formats.load_head(folder).state_dict["d2t"])
+    with pytest.raises(ValueError, match="exclude each other"):
+        _config(method, tiny_llama_path, out, counting_data, resume=True, init=str(folder))
+    other = trained["medusa" if method == "eagle3" else "eagle3"][1]
+    with pytest.raises(ValueError, match=f"holds a {'medusa' if method == 'eagle3' else 'eagle3'} head"):
+        T.train(_config(method, tiny_llama_path, tmp_path / "wrong", counting_data, init=str(other)))
+
+
 def _sitting(cfg, monkeypatch, interrupt_at=None):
     """One `specplug train` sitting; with interrupt_at, SIGINT arrives during that step."""
     import os

@@ -188,6 +188,22 @@ def load_checkpoint(ckpt: Path, target, cfg: TrainConfig):
     return head.to(cfg.device), state
 
 
+def init_head(head_dir: Path, target, cfg: TrainConfig) -> Eagle3Head:
+    """A trained head to continue from (--init): its weights, draft vocabulary and aux
+    layers, float32 and trainable; ValueError when --aux-layers asks for others."""
+    from specplug.common import formats
+
+    head = formats.load_head_module(head_dir, target.config, dtype=torch.float32)
+    layers = head.config.resolved_aux_layer_ids(target.config.num_hidden_layers)
+    if cfg.aux_layer_ids and tuple(cfg.aux_layer_ids) != tuple(layers):
+        raise ValueError(f"--aux-layers {list(cfg.aux_layer_ids)} differs from --init {head_dir}'s aux layers "
+                         f"{list(layers)}: drop --aux-layers (a trained head keeps its layers)")
+    head.set_target_embedding(target.get_input_embeddings())
+    logger.info("EAGLE-3 head from %s: draft vocab %d, aux layers %s", head_dir, head.config.draft_vocab_size,
+                list(layers))
+    return head.to(cfg.device).train()
+
+
 def save_output(head: Eagle3Head, out: Path, cfg: TrainConfig, state: dict, ctx) -> list[str]:
     """Write the head (EAGLE/SpecForge format by default) in cfg.save_dtype."""
     from specplug.common import formats

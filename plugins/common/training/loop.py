@@ -340,6 +340,13 @@ def write_training_record(run: Run, state: dict, stopped: str | None) -> None:
               "first_loss": losses[0] if losses else None, "last_loss": losses[-1] if losses else None,
               "accuracy_top1_by_position": state.get("accuracy", []),
               "head_accuracies": state.get("head_accuracies"), "eval": state.get("eval"),
+              "init": state.get("init"), "total": _total(state),
               "throughput": {"tokens_per_s_by_epoch": [e["tokens_per_s"] for e in epochs], "epochs": epochs,
                              "states_cache": state.get("states_cache")}}
     (run.out / "training.json").write_text(json.dumps(record, indent=2) + "\n")
+
+
+def _total(state: dict) -> dict:
+    """Steps and minutes behind the written head: this run's plus its --init head's."""
+    init = state.get("init") or {"steps": 0, "minutes": 0.0}
+    return {"steps": init["steps"] + state["step"], "minutes": round(init["minutes"] + state["seconds"] / 60, 2)}

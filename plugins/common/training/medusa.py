@@ -114,6 +114,22 @@ def head_config(heads: MedusaHeads) -> dict:
     return heads.config.to_dict()
 
 
+def init_head(head_dir: Path, target, cfg: TrainConfig) -> MedusaHeads:
+    """Trained heads to continue from (--init): their residual blocks, float32, the vocab
+    projections tied to the target's lm_head again; ValueError when --heads differs."""
+    from specplug.common import formats
+
+    heads = formats.load_head_module(head_dir, target.config, dtype=torch.float32)
+    if heads.config.medusa_num_heads != cfg.num_heads or heads.config.medusa_num_layers != cfg.num_layers:
+        raise ValueError(f"--init {head_dir} has {heads.config.medusa_num_heads} heads x "
+                         f"{heads.config.medusa_num_layers} blocks, this run asks for {cfg.num_heads} x "
+                         f"{cfg.num_layers}: pass --heads {heads.config.medusa_num_heads} --num-layers "
+                         f"{heads.config.medusa_num_layers}")
+    tie_to_target(heads, target)
+    logger.info("Medusa: %d heads x %d residual blocks from %s", cfg.num_heads, cfg.num_layers, head_dir)
+    return heads.to(cfg.device).train()
+
+
 def load_checkpoint(ckpt: Path, target, cfg: TrainConfig):
     state, tensors, config = read_checkpoint_state(ckpt)
     heads = MedusaHeads(MedusaConfig.from_dict(config))

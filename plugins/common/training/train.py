@@ -101,6 +101,7 @@ class TrainConfig:
     save_dtype: str = "bfloat16"
     resume: bool = False
     overwrite: bool = False
+    init: str | None = None
     device: str = "cpu"
     regenerate: bool = False
     regen_temperature: float = 0.0
@@ -134,6 +135,9 @@ class TrainConfig:
         if self.resume and self.overwrite:
             raise ValueError("--resume and --overwrite exclude each other: resume keeps the checkpoint, "
                              "overwrite deletes it")
+        if self.init and self.resume:
+            raise ValueError("--init and --resume exclude each other: --init starts a new run from a trained "
+                             "head, --resume continues this run's checkpoint (which already holds --init's start)")
 
     @property
     def regen_batch(self) -> int:
@@ -178,6 +182,29 @@ def check_output(cfg: TrainConfig) -> Path:
         raise ValueError(f"--out {out} already holds a head or checkpoint: pass --resume to continue it, "
                          "--overwrite to replace it, or choose another folder")
     return out
+
+
+def check_init(cfg: TrainConfig, target_config) -> dict | None:
+    """The --init head's lineage (folder, steps and CPU minutes behind it), after refusing a
+    folder that is not a head of cfg.method for this target; None without --init."""
+    if not cfg.init:
+        return None
+    from specplug.common import formats
+
+    head = formats.load_head(cfg.init, target_config)
+    if head.method != cfg.method:
+        raise ValueError(f"--init {cfg.init} holds a {head.method} head; `specplug train {cfg.method}` needs a "
+                         f"{cfg.method} head (or drop --init to start from scratch)")
+    return init_lineage(Path(cfg.init))
+
+
+def init_lineage(head_dir: Path) -> dict:
+    """Steps and minutes of training behind a head folder, read from its training.json
+    (its own total when it was itself started with --init); zeros when it has none."""
+    record = head_dir / "training.json"
+    prior = json.loads(record.read_text()) if record.is_file() else {}
+    total = prior.get("total") or {"steps": prior.get("steps", 0), "minutes": prior.get("minutes", 0.0)}
+    return {"head": str(head_dir), "steps": total["steps"], "minutes": total["minutes"]}
 
 
 def check_memory(cfg: TrainConfig, target_config, available: int | None = None) -> int:
@@ -543,6 +570,7 @@ def train(cfg: TrainConfig) -> TrainResult:
     check_memory(cfg, target_config)
     method = method_module(cfg.method)
     method.preflight(cfg, target_config)
+    lineage = check_init(cfg, target_config)
     convs = load_conversations(cfg.data)
     with train_loop.log_to_file(cfg.log_file):
         target, tokenizer = load_target(cfg.target, cfg.device)
@@ -551,6 +579,8 @@ def train(cfg: TrainConfig) -> TrainResult:
         logger.info("%d training samples, %d tokens, %d assistant tokens", len(samples),
                     sum(len(s.input_ids) for s in samples), sum(sum(s.loss_mask) for s in samples))
         run, state = _start(cfg, method, target, tokenizer, samples, out)
+        if lineage is not None:
+            state["init"] = lineage
         stopped = train_loop.run_loop(run, state)
         return _finish(run, state, tokenizer, heldout, stopped)
 
@@ -566,6 +596,8 @@ def _start(cfg: TrainConfig, method, target, tokenizer, samples: list[Sample], o
     torch.manual_seed(cfg.seed)
     if cfg.resume:
         head, state = method.load_checkpoint(out / CHECKPOINT, target, cfg)
+    elif cfg.init:
+        head, state = method.init_head(Path(cfg.init), target, cfg), {"step": 0, "losses": [], "seconds": 0.0}
     else:
         head, state = method.build_head(target, samples, cfg), {"step": 0, "losses": [], "seconds": 0.0}
     optimizer = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=cfg.lr,
@@ -690,6 +722,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="--log-file: a progress line every N steps (and at least once a minute)")
     parser.add_argument("--resume", action="store_true",
                         help="continue from OUT/checkpoint (same data order, same LR schedule)")
+    parser.add_argument("--init", default=None, metavar="HEAD",
+                        help="start from a trained head folder of the same method (e.g. the committed test-bed "
+                             "head) instead of from scratch: a new LR schedule over this run's data; its "
+                             "draft vocabulary and shape come from HEAD; training.json adds HEAD's steps and "
+                             "minutes to this run's in `total`")
     parser.add_argument("--overwrite", action="store_true", help="replace a head or checkpoint in OUT")
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
 
@@ -717,7 +754,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         eval_tokens=args.eval_tokens,
         draft_vocab_size=args.draft_vocab_size, aux_layer_ids=aux, num_heads=args.heads,
         num_layers=args.num_layers, topk=args.topk, format=args.format, save_dtype=args.save_dtype,
-        resume=args.resume, overwrite=args.overwrite, device=args.device, regenerate=args.regenerate,
+        resume=args.resume, overwrite=args.overwrite, init=args.init, device=args.device, regenerate=args.regenerate,
         regen_temperature=args.regen_temperature, regen_batch_size=args.regen_batch_size, epochs=args.epochs,
         states_cache=not args.no_states_cache, states_cache_dir=args.states_cache, threads=args.threads,
         log_file=args.log_file, log_every=args.log_every)
