@@ -83,6 +83,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "`specplug draft-model cut`): adds the methods draft-model (SGLang: specplug's "
                              "DRAFT_MODEL), draft_model (vLLM's built-in) and specplug-draft-model (vLLM: the head's "
                              "tree merged with the draft model's)")
+    parser.add_argument("--self-spec-layers", default=None, metavar="LAYERS",
+                        help="the target's own layers to self-speculate with, e.g. 0-7 (specplug's \"self_spec\" "
+                             "drafter, on the weights the engine loaded): adds the methods self-spec (SGLang: "
+                             "SELF_SPEC) and specplug-self-spec (vLLM: the head's tree merged with the self_spec "
+                             "drafter's)")
     parser.add_argument("--prompts", default="mtbench",
                         help="prompt set: mtbench, humaneval or sharegpt; 'mtbench:coding' picks a category")
     parser.add_argument("--num-prompts", type=int, default=8, help="prompts per batch-size run (at least the batch size is used)")

@@ -334,3 +334,52 @@ class DraftModelTokenDrafter(TokenDrafterBase):
         state.length = keep
         self.drafter._extend(state, torch.tensor(committed[keep:], dtype=torch.long))
         self.valid[rid] = len(committed)
+
+
+class SelfSpecTokenDrafter(DraftModelTokenDrafter):
+    """Self-speculation in the engines (a registered token drafter, "self_spec"): the
+    target's own `layers` (default the first quarter; an int K means layers 0..K-1)
+    draft, run on the modules the engine loaded (drafting.engine_layers.EngineLayerSkip:
+    no second copy of the weights), with the draft-model drafter's trees, cache and
+    sampled mode. The engine adapter calls bind_target once its target has loaded."""
+
+    def __init__(self, layers: str | int | None = None, budget: int = 8, max_depth: int = 4, topk: int = 4,
+                 temperature: float | None = None, seed: int | None = None):
+        super().__init__("", budget, max_depth, topk, temperature=temperature, seed=seed)
+        self.layers = layers
+
+    @classmethod
+    def check_settings(cls, settings) -> None:
+        TokenDrafterBase.check_settings.__func__(cls, settings)
+        layers = settings.get("layers")
+        if layers is not None and not (isinstance(layers, str) or (isinstance(layers, int) and layers >= 1)):
+            raise ValueError(f"self_spec \"layers\" must be a layer list such as \"0-7\" or a count K >= 1 "
+                             f"(the first K layers), got {layers!r}")
+        if isinstance(layers, str):
+            parse_layers(layers, 1 << 30)  # syntax now; the range once the target's layer count is known
+        if not isinstance(settings.get("topk", 4), int) or settings.get("topk", 4) < 1:
+            raise ValueError(f"self_spec \"topk\" must be an int >= 1, got {settings.get('topk')!r}")
+        SampledDrafts(settings.get("temperature"))
+
+    @classmethod
+    def from_settings(cls, settings, vocab_size: int) -> "SelfSpecTokenDrafter":
+        cls.check_settings(settings)
+        return cls(**settings)
+
+    def bind_target(self, target) -> None:
+        """Draft with `target`'s (a drafting.engine_layers.EngineTarget) kept layers."""
+        from .drafting.engine_layers import EngineLayerSkip
+
+        num_layers = len(target.model.model.layers)
+        spec = self.layers if self.layers is not None else max(1, num_layers // 4)
+        keep = parse_layers(f"0-{spec - 1}" if isinstance(spec, int) else spec, num_layers)
+        model = EngineLayerSkip(target, keep)
+        self.drafter = DraftModelDrafter(model, temperature=self.temperature, seed=self.seed,
+                                         cache_config=model.cache_config)
+        logger.info("self_spec: drafting with the target's layers %s of %d (the engine's own modules)",
+                    list(keep), num_layers)
+
+    def draft(self, request_ids, root_tokens=None, *, budget=None, max_depth=None, min_prob=None) -> TreeBatch:
+        if self.drafter is None:
+            raise RuntimeError("self_spec drafts only after the engine adapter called bind_target(EngineTarget)")
+        return super().draft(request_ids, root_tokens, budget=budget, max_depth=max_depth, min_prob=min_prob)

@@ -84,10 +84,10 @@ class _Builtins:
 
     @hookimpl
     def specplug_drafters(self) -> dict[str, Callable]:
-        from specplug.common.draft_model import DraftModelTokenDrafter
+        from specplug.common.draft_model import DraftModelTokenDrafter, SelfSpecTokenDrafter
         from specplug.common.retrieval import RetrievalDrafter
 
-        return {"retrieval": RetrievalDrafter, "draft_model": DraftModelTokenDrafter}
+        return {"retrieval": RetrievalDrafter, "draft_model": DraftModelTokenDrafter, "self_spec": SelfSpecTokenDrafter}
 
     @hookimpl
     def specplug_tree_builders(self) -> dict[str, Callable]:

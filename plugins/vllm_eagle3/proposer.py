@@ -43,6 +43,7 @@ from specplug.common import memory, token_drafters
 from specplug.common.drafting.eagle import Committed, EagleDrafting
 from specplug.common.merge import merge_trees
 from specplug.common.path_choice import best_chains, full_budget
+from specplug.common.drafting.engine_layers import EngineTarget
 from specplug.common.token_drafters import draft_or_roots
 from specplug.common.tree import TreeConfig
 
@@ -84,6 +85,9 @@ class SpecplugEagleProposer(EagleProposer):
 
     def load_model(self, target_model):
         super().load_model(target_model)
+        if self.token_drafter is not None:  # self_spec drafts with the target's own loaded layers
+            token_drafters.bind_target(self.token_drafter, EngineTarget(
+                target_model, target_model.compute_logits, self.vllm_config.model_config.hf_text_config))
         if self.specplug is not None and self.state is not None:
             # the runner builds its rejection sampler after the drafter: swap it here
             on_verify = None if self.adaptive is None else self.adaptive.record_verify

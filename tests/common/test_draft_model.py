@@ -167,3 +167,16 @@ def test_token_drafter_settings_are_checked(tmp_path, tiny_llama_path):
         token_drafters.check_choice(token_drafters.DrafterChoice("draft_model", {"model": str(path), "temperature": 0}))
     with pytest.raises(ValueError, match="share the target's tokenizer"):
         token_drafters.build(token_drafters.DrafterChoice("draft_model", {"model": str(path)}), vocab_size=1000)
+
+
+def test_self_spec_settings_are_checked_and_it_waits_for_the_engine():
+    from specplug.common import token_drafters
+
+    choice = token_drafters.DrafterChoice
+    for bad, field in (({"layers": "0-x"}, "is not an int or a range"), ({"layers": 0}, "count K >= 1"),
+                       ({"layers": "1-3"}, "include layer 0"), ({"topk": 0}, "topk"), ({"temperature": -1}, "temperature")):
+        with pytest.raises(ValueError, match=field):
+            token_drafters.check_choice(choice("self_spec", bad))
+    drafter = token_drafters.build(choice("self_spec", {"layers": 2}), vocab_size=1000)
+    with pytest.raises(RuntimeError, match="bind_target"):
+        drafter.draft(["r"])

@@ -89,3 +89,13 @@ def test_cpu_engine_arguments(sgl_model):
     args = engine_args(str(sgl_model), seed=3, max_batch=4)
     assert args["device"] == "cpu" and args["attention_backend"] == "torch_native"
     assert args["random_seed"] == 3 and args["max_running_requests"] == 4
+
+
+def test_self_spec_method_names_the_layers(sgl_model):
+    from specplug.sglang_medusa.bench_runner import DRAFT_MODEL_TREE
+
+    runner = SglangRunner(str(sgl_model), None, max_new_tokens=8, temperature=0.0, seed=0, max_batch=4,
+                          self_spec_layers="0-1")
+    assert runner.methods() == ["none", "ngram", "retrieval", "self-spec"]
+    assert runner.speculative_args("self-spec") == {"speculative_algorithm": "SELF_SPEC", **DRAFT_MODEL_TREE}
+    assert runner.environment("self-spec") == {"SPECPLUG_DRAFTER": '{"layers": "0-1"}'}

@@ -45,9 +45,10 @@ def test_bench_draft_model_rows_are_lossless(tiny_llama_path, tmp_path):
     head = tiny_head_dir(tiny_llama_path, specplug=SPECPLUG_CHAIN)
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", OMP_NUM_THREADS="1", VLLM_CPU_KVCACHE_SPACE="1")
     cmd = [sys.executable, "-m", "specplug.cli", "bench", "--engine", "vllm", "--model", str(tiny_llama_path),
-           "--head", str(head), "--draft-model", str(draft), "--methods", "none,draft_model,specplug-draft-model",
+           "--head", str(head), "--draft-model", str(draft), "--self-spec-layers", "0,2",
+           "--methods", "none,draft_model,specplug-draft-model,specplug-self-spec",
            "--batch-sizes", "1", "--max-new-tokens", "16", "--num-prompts", "2", "--out", str(tmp_path / "out")]
     subprocess.run(cmd, env=env, check=True, capture_output=True, text=True, timeout=600)
     rows = {r["method"]: r for r in json.loads((tmp_path / "out" / "bench.json").read_text())["results"]}
-    for method in ("draft_model", "specplug-draft-model"):
+    for method in ("draft_model", "specplug-draft-model", "specplug-self-spec"):
         assert rows[method]["identical_to_none"] == 1.0 and rows[method]["num_drafts"] > 0

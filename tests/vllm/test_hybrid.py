@@ -85,22 +85,55 @@ def test_drafted_alone_skip_the_head_and_stay_lossless(engine, target):
     assert spec == token_ids(engine(target).generate(REPEATING, sampling, use_tqdm=False))
 
 
-@pytest.mark.parametrize("name, cls", [("lookup", "LookupDrafter"), ("draft_model", "DraftModelTokenDrafter")])
+@pytest.mark.parametrize("name, cls", [("lookup", "LookupDrafter"), ("draft_model", "DraftModelTokenDrafter"),
+                                       ("self_spec", "SelfSpecTokenDrafter")])
 def test_a_registered_drafter_runs_beside_the_head(engine, target, tmp_path_factory, name, cls):
     """Token drafters named in the head's section draft beside the head with no engine
     code of their own; greedy output equals vLLM without speculation. `lookup`:
     tests/support/drafter_plugin, one class and one entry point in the group "specplug";
     "draft_model": built in, here the target's first layer cut out by `specplug
-    draft-model cut`. SGLang runs both alone (tests/sglang/test_plugin_drafter.py)."""
+    draft-model cut`; "self_spec": built in, the target's layers 0 and 2 as vLLM loaded
+    them. SGLang runs all three alone (tests/sglang/test_plugin_drafter.py)."""
     from specplug.common.draft_model import cut_draft_model
 
     drafter = {"name": "lookup", "ngram": 1}
     if name == "draft_model":
         draft = cut_draft_model(target, "0", tmp_path_factory.mktemp("draft") / "draft")
         drafter = {"name": "draft_model", "model": str(draft), "max_depth": 3, "topk": 2}
+    if name == "self_spec":
+        drafter = {"name": "self_spec", "layers": "0,2", "max_depth": 3, "topk": 2}
     llm = engine(target, tiny_head_dir(target, specplug={**SPECPLUG_CHAIN, "drafter": drafter}))
     sampling = params(max_tokens=32, temperature=0.0)
     spec, stats = run(llm, REPEATING, sampling)
     assert type(drafter_of(llm).token_drafter).__name__ == cls
     assert stats.num_drafts > 0
     assert spec == token_ids(engine(target).generate(REPEATING, sampling, use_tqdm=False))
+
+
+@pytest.mark.parametrize("layers", ["0-3", "0,2"])
+def test_self_spec_runs_the_targets_own_layers_as_vllm_loaded_them(engine, target, layers):
+    """The self_spec draft model is vLLM's loaded target with layers skipped, no copy of
+    its weights: its logits equal Hugging Face's on the same layers (all four: the target
+    itself; 0 and 2: the layer-skip view), in one pass and through its cache in chunks."""
+    import torch
+    from transformers import AutoModelForCausalLM, DynamicCache
+
+    from specplug.common.draft_model import layer_skip_view
+
+    drafter = {"name": "self_spec", "layers": layers, "max_depth": 3, "topk": 2}
+    llm = engine(target, tiny_head_dir(target, specplug={**SPECPLUG_CHAIN, "drafter": drafter}))
+    model = drafter_of(llm).token_drafter.drafter.model
+    hf = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32)
+    view = layer_skip_view(hf, layers)
+    ids = torch.tensor([[5, 17, 99, 3, 250, 41, 7, 8]])
+    positions = torch.arange(8)[None]
+    with torch.no_grad():
+        want = view(ids, position_ids=positions).logits
+        whole = model(ids, past_key_values=DynamicCache(config=model.cache_config), position_ids=positions).logits
+        cache = DynamicCache(config=model.cache_config)
+        parts = [model(ids[:, a:b], past_key_values=cache, position_ids=positions[:, a:b]).logits
+                 for a, b in ((0, 5), (5, 6), (6, 8))]
+    assert torch.allclose(whole, want, atol=1e-4), (whole - want).abs().max()
+    assert torch.allclose(torch.cat(parts, 1), want, atol=1e-4)
+    loaded = drafter_of(llm).state.runner.model.model  # vLLM's target: the draft model holds its modules
+    assert model.embed is loaded.embed_tokens and model.layers[-1] is loaded.layers[int(layers[-1])]
