@@ -274,13 +274,18 @@ class DraftModelTokenDrafter(TokenDrafterBase):
     @classmethod
     def check_settings(cls, settings) -> None:
         super().check_settings(settings)
+        cls.check_source(settings)
+        if not isinstance(settings.get("topk", 4), int) or settings.get("topk", 4) < 1:
+            raise ValueError(f"\"topk\" must be an int >= 1, got {settings.get('topk')!r}")
+        SampledDrafts(settings.get("temperature"))  # > 0 or None, else a ValueError naming it
+
+    @classmethod
+    def check_source(cls, settings) -> None:
+        """The draft model's own field: "model", a Hugging Face folder."""
         path = settings.get("model")
         if not isinstance(path, str) or not (Path(path) / "config.json").is_file():
             raise ValueError(f"draft_model \"model\" must be a Hugging Face model folder, got {path!r}: cut one "
                              "with `specplug draft-model cut` or pass a small causal LM with the target's tokenizer")
-        if not isinstance(settings.get("topk", 4), int) or settings.get("topk", 4) < 1:
-            raise ValueError(f"draft_model \"topk\" must be an int >= 1, got {settings.get('topk')!r}")
-        SampledDrafts(settings.get("temperature"))  # > 0 or None, else a ValueError naming it
 
     @classmethod
     def from_settings(cls, settings, vocab_size: int) -> "DraftModelTokenDrafter":
@@ -349,17 +354,14 @@ class SelfSpecTokenDrafter(DraftModelTokenDrafter):
         self.layers = layers
 
     @classmethod
-    def check_settings(cls, settings) -> None:
-        TokenDrafterBase.check_settings.__func__(cls, settings)
+    def check_source(cls, settings) -> None:
+        """self_spec's own field: "layers", a layer list or a count."""
         layers = settings.get("layers")
         if layers is not None and not (isinstance(layers, str) or (isinstance(layers, int) and layers >= 1)):
             raise ValueError(f"self_spec \"layers\" must be a layer list such as \"0-7\" or a count K >= 1 "
                              f"(the first K layers), got {layers!r}")
         if isinstance(layers, str):
             parse_layers(layers, 1 << 30)  # syntax now; the range once the target's layer count is known
-        if not isinstance(settings.get("topk", 4), int) or settings.get("topk", 4) < 1:
-            raise ValueError(f"self_spec \"topk\" must be an int >= 1, got {settings.get('topk')!r}")
-        SampledDrafts(settings.get("temperature"))
 
     @classmethod
     def from_settings(cls, settings, vocab_size: int) -> "SelfSpecTokenDrafter":

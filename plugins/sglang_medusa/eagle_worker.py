@@ -45,6 +45,7 @@ from specplug.common.drafting.runner import TorchHeadRunner
 from specplug.common.drafting.sampled import SampledDrafts
 from specplug.common.merge import merge_trees
 from specplug.common.tree import DraftTree, TreeBatch, TreeConfig, stack_trees
+from specplug.sglang_medusa import batch_view as view
 from specplug.sglang_medusa.settings import Eagle3Settings, eagle3_settings_from_server_args
 from specplug.sglang_medusa.token_worker import synced_drafter
 from specplug.sglang_medusa.tree_worker import TreeVerifyWorker, batch_layout
@@ -91,8 +92,8 @@ class Eagle3Worker(TreeVerifyWorker):
             self.token_drafts = synced_drafter(self.settings.drafter, cfg, self.model_runner)
         feature = "the target's final hidden state"
         if head.KIND == "EAGLE-3":
-            layers = head.config.resolved_aux_layer_ids(self.model_runner.model_config.hf_config.num_hidden_layers)
-            capture_aux_states(self.model_runner.model, layers)
+            layers = head.config.resolved_aux_layer_ids(view.target_config(self.model_runner).num_hidden_layers)
+            capture_aux_states(view.target_model(self.model_runner), layers)
             feature = f"aux layers {list(layers)}"
         logger.info("SPECPLUG_EAGLE3 worker: %s head %s, %s, dynamic trees %s (up to %d nodes)%s, "
                     "lossless verification", head.KIND, self.settings.head_path, feature, self.settings.tree,
@@ -103,18 +104,18 @@ class Eagle3Worker(TreeVerifyWorker):
         from specplug.common.formats import load_head_module
 
         head = load_head_module(self.settings.head_path, target_config=self.server_args.model_path,
-                                device=self.device, dtype=self.model_runner.model_config.dtype).eval()
+                                device=self.device, dtype=view.target_dtype(self.model_runner)).eval()
         head.requires_grad_(False)  # serving: no autograd graph behind the states the head keeps
         if getattr(head, "KIND", None) not in ("EAGLE-3", "EAGLE-1"):
             raise ValueError(f"SPECPLUG_EAGLE3: --speculative-draft-model-path {self.settings.head_path} holds a "
                              f"{type(head).__name__}, not an EAGLE-3 or EAGLE-1 head: use MEDUSA for Medusa heads")
         vocab = head.config.vocab_size
         if not hasattr(head, "embed_tokens"):  # share the target's embedding (no copy)
-            weight = self.model_runner.model.model.embed_tokens.weight[:vocab]
+            weight = view.embedding_weight(self.model_runner)[:vocab]
             head.set_target_embedding(torch.nn.Embedding.from_pretrained(weight, freeze=True))
         if head.KIND == "EAGLE-1":  # scores with the target's lm_head (no copy)
             lm_head = torch.nn.Linear(head.config.hidden_size, vocab, bias=False, device="meta")
-            lm_head.weight = torch.nn.Parameter(self.model_runner.model.lm_head.weight[:vocab], requires_grad=False)
+            lm_head.weight = torch.nn.Parameter(view.lm_head_weight(self.model_runner)[:vocab], requires_grad=False)
             head.set_target_lm_head(lm_head)
         return head
 
@@ -141,11 +142,10 @@ class Eagle3Worker(TreeVerifyWorker):
         hidden = self.drafting.runner.combine(aux)  # [sum n, H]
         sampled = result.next_token_ids.tolist()
         requests, offset = [], 0
-        for i, req in enumerate(batch.reqs):
-            start, n = int(batch.prefix_lens[i]), int(batch.extend_lens[i])
-            known = list(req.origin_input_ids) + list(req.output_ids)
+        for i, (req, (start, n)) in enumerate(zip(view.requests(batch), view.extend_spans(batch))):
+            known = list(view.prompt_ids(req)) + list(view.output_ids(req))
             after = known[start + 1:start + n] + [known[start + n] if start + n < len(known) else sampled[i]]
-            requests.append(Committed(req.rid, torch.tensor(after), torch.arange(start, start + n),
+            requests.append(Committed(view.request_id(req), torch.tensor(after), torch.arange(start, start + n),
                                       hidden[offset:offset + n]))
             offset += n
         self._catch_up(requests)
@@ -158,17 +158,17 @@ class Eagle3Worker(TreeVerifyWorker):
         bs, n = tree.candidates.shape
         emitted = verdict.output_tokens(tree.candidates.to(verdict.accepted_nodes.device))  # [B, D+1]
         accepted = verdict.num_accepted.tolist()
-        seq_lens = batch.seq_lens.tolist()
+        seq_lens = view.seq_lens(batch).tolist()
         rows = torch.cat([b * n + verdict.accepted_nodes[b, :accepted[b] + 1] for b in range(bs)])
         combined = self.drafting.runner.combine(hidden[rows.to(hidden.device)])  # [sum m + 1, H]
         requests, offset = [], 0
-        for b, req in enumerate(batch.reqs):
+        for b, rid in enumerate(view.request_ids(batch)):
             m = accepted[b] + 1
-            requests.append(Committed(req.rid, emitted[b, :m].cpu(), torch.arange(seq_lens[b], seq_lens[b] + m),
+            requests.append(Committed(rid, emitted[b, :m].cpu(), torch.arange(seq_lens[b], seq_lens[b] + m),
                                       combined[offset:offset + m]))
             offset += m
         self._catch_up(requests)
-        self._forget_stale({req.rid for req in batch.reqs})  # a decode batch holds every running request
+        self._forget_stale(set(view.request_ids(batch)))  # a decode batch holds every running request
 
     def _catch_up(self, requests) -> None:
         with torch.inference_mode():
@@ -191,7 +191,7 @@ class Eagle3Worker(TreeVerifyWorker):
     def _draft(self, batch) -> tuple[TreeBatch, dict]:
         """One tree per request from its root: the head's, merged with the token
         drafter's when hybrid; [B, n] with n <= num_nodes."""
-        if self.sampled.on and not batch.sampling_info.is_all_greedy:
+        if self.sampled.on and not view.sampling(batch).all_greedy:
             return self._sampled_trees(batch)
         trees = self._head_trees(batch)
         if self.token_drafts is not None:
@@ -207,15 +207,15 @@ class Eagle3Worker(TreeVerifyWorker):
             trees = self._head_trees(batch, found)
             return trees, batch_layout(trees)
         with torch.inference_mode():
-            trees = self.drafting.trees(found.roots, self.sampled_tree, self.sampled, [req.rid for req in batch.reqs])
+            trees = self.drafting.trees(found.roots, self.sampled_tree, self.sampled, view.request_ids(batch))
         return trees, batch_layout(trees)
 
     def _roots(self, batch) -> "_Roots":
         """Each request's Root (or None), its root token in SGLang, and whether the two
         are in step (same root token, at position seq_len - 1)."""
-        last = [req.output_ids[-1] for req in batch.reqs]
-        roots = [self.roots.get(req.rid) for req in batch.reqs]
-        seq_lens = batch.seq_lens.tolist()
+        last = view.last_tokens(batch)
+        roots = [self.roots.get(rid) for rid in view.request_ids(batch)]
+        seq_lens = view.seq_lens(batch).tolist()
         usable = [r is not None and r.token == t and r.position == s - 1 for r, t, s in zip(roots, last, seq_lens)]
         return _Roots(roots, last, usable)
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from specplug.common.request_rules import RequestRules
+from specplug.sglang_medusa import batch_view as view
 
 
 def rules_of(reqs) -> RequestRules:
@@ -27,11 +28,11 @@ def rules_of(reqs) -> RequestRules:
             repetition=torch.tensor([float(p.repetition_penalty) for p in params]),
         )
     return RequestRules(
-        output_tokens=[list(req.output_ids) for req in reqs] if penalties else [],
+        output_tokens=[list(view.output_ids(req)) for req in reqs] if penalties else [],
         logit_bias={b: {int(t): float(v) for t, v in p.logit_bias.items()}
                     for b, p in enumerate(params) if p.logit_bias},
-        min_tokens={b: (p.min_new_tokens - len(req.output_ids), stop_ids(req))
-                    for b, (req, p) in enumerate(zip(reqs, params)) if p.min_new_tokens > len(req.output_ids)},
+        min_tokens={b: (p.min_new_tokens - len(view.output_ids(req)), stop_ids(req))
+                    for b, (req, p) in enumerate(zip(reqs, params)) if p.min_new_tokens > len(view.output_ids(req))},
         engine="sglang",
         **penalties,
     )

@@ -23,6 +23,7 @@ from specplug.common import token_drafters
 from specplug.common.drafting.engine_layers import EngineTarget
 from specplug.common.token_drafters import draft_or_roots
 from specplug.common.tree import TreeBatch
+from specplug.sglang_medusa import batch_view as view
 from specplug.sglang_medusa.settings import TokenDrafterSettings, token_settings_from_server_args
 from specplug.sglang_medusa.tree_worker import ROOT_ONLY, TreeVerifyWorker, batch_layout
 
@@ -41,12 +42,11 @@ class SyncedTokenDrafter:
     def draft(self, batch, **overrides) -> TreeBatch:
         """Each request's tree, rooted at its last committed token (the drafter's
         overrides: budget, max_depth, min_prob); roots alone if the drafter raises."""
-        rids = [req.rid for req in batch.reqs]
-        for req in batch.reqs:
-            self.drafter.sync(req.rid, req.origin_input_ids, req.output_ids)
+        rids = view.request_ids(batch)
+        for req in view.requests(batch):
+            self.drafter.sync(view.request_id(req), view.prompt_ids(req), view.output_ids(req))
         self._forget_stale(rids)
-        roots = [req.output_ids[-1] if req.output_ids else req.origin_input_ids[-1] for req in batch.reqs]
-        return draft_or_roots(self.drafter, rids, roots, **overrides)  # candidates [B, n]
+        return draft_or_roots(self.drafter, rids, view.last_tokens(batch), **overrides)  # candidates [B, n]
 
     def free(self, rid) -> None:
         self.drafter.free(rid)
@@ -69,7 +69,7 @@ class SyncedTokenDrafter:
 def synced_drafter(choice, cfg, model_runner) -> SyncedTokenDrafter:
     """The registered drafter `choice` built for a worker of server arguments `cfg`,
     bound to the target `model_runner` loaded (self_spec drafts with its layers)."""
-    drafter = token_drafters.build(choice, model_runner.model_config.vocab_size)
+    drafter = token_drafters.build(choice, view.vocab_size(model_runner))
     token_drafters.bind_target(drafter, engine_target(model_runner))
     return SyncedTokenDrafter(drafter, 2 * int(cfg.max_running_requests or 48))
 
@@ -77,9 +77,9 @@ def synced_drafter(choice, cfg, model_runner) -> SyncedTokenDrafter:
 def engine_target(model_runner) -> EngineTarget:
     """SGLang's loaded target as drafting.engine_layers sees it; logits from its LM head
     weight (SGLang's LogitsProcessor needs a ForwardBatch)."""
-    model = model_runner.model
-    return EngineTarget(model, lambda hidden: F.linear(hidden, model.lm_head.weight),
-                        model_runner.model_config.hf_config)
+    return EngineTarget(view.target_model(model_runner),
+                        lambda hidden: F.linear(hidden, view.lm_head_weight(model_runner)),
+                        view.target_config(model_runner))
 
 
 class TokenDrafterWorker(TreeVerifyWorker):

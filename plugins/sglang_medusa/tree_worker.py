@@ -36,6 +36,7 @@ from specplug.common import sampling
 from specplug.common.metrics import AcceptanceStats
 from specplug.common.request_rules import apply_rules
 from specplug.common.tree import DraftTree, TreeBatch, ancestor_mask, sglang_layout, tree_depths
+from specplug.sglang_medusa import batch_view as view
 from specplug.sglang_medusa.request_rules import rules_of
 
 logger = logging.getLogger(__name__)
@@ -125,7 +126,7 @@ class TreeVerifyWorker(BaseSpecWorker):
 
     @torch.no_grad()
     def forward_batch_generation(self, batch, on_publish=None, pp_proxy_tensors=None):
-        if batch.forward_mode.is_decode():
+        if view.is_decode(batch):
             return self._decode_step(batch, on_publish, pp_proxy_tensors)
         return self._extend_step(batch, on_publish, pp_proxy_tensors)
 
@@ -133,7 +134,7 @@ class TreeVerifyWorker(BaseSpecWorker):
         """Plain target forward (prefill / idle); the drafter sees it through _prefilled."""
         result = self.target_worker.forward_batch_generation(
             batch, pp_proxy_tensors=pp_proxy_tensors, capture_hidden_mode=self.prefill_capture)
-        bs = len(batch.reqs)
+        bs = len(view.requests(batch))
         if bs:
             self._prefilled(batch, result)
             result.logits_output.hidden_states = None
@@ -141,7 +142,7 @@ class TreeVerifyWorker(BaseSpecWorker):
         if bs:
             accept_tokens[:, 0] = result.next_token_ids
         accept_lens = torch.ones(bs, dtype=torch.int32, device=self.device)
-        new_seq_lens = batch.seq_lens.clone()
+        new_seq_lens = view.seq_lens(batch).clone()
         if on_publish is not None:
             on_publish(new_seq_lens)
         return self._result(result, result.next_token_ids, accept_tokens.flatten(), accept_lens, new_seq_lens)
@@ -169,7 +170,7 @@ class TreeVerifyWorker(BaseSpecWorker):
             compute_spec_logprobs(batch, logits_output, predict, accept_index=accept_index)
         self._commit(batch, tree, verdict, logits_output.hidden_states)
         logits_output.hidden_states = None
-        new_seq_lens = batch.seq_lens + accept_lens
+        new_seq_lens = view.seq_lens(batch) + accept_lens
         if on_publish is not None:
             on_publish(new_seq_lens)
         batch.forward_mode = ForwardMode.DECODE
@@ -206,7 +207,7 @@ class TreeVerifyWorker(BaseSpecWorker):
         """Turn the decode batch into a TARGET_VERIFY batch over the B*n tree nodes;
         layout tensors are one tree's ([n, n], [n]) or per request ([B, n, n], [B, n])."""
         bs, n = tree.candidates.shape
-        seq_lens = batch.seq_lens
+        seq_lens = view.seq_lens(batch)
         depth = layout["depth"].to(self.device).expand(bs, n)
         positions = (seq_lens[:, None].long() + depth).flatten()  # [B*n]
         retrieve_index = torch.arange(bs * n, device=self.device).view(bs, n)
@@ -226,18 +227,18 @@ class TreeVerifyWorker(BaseSpecWorker):
     def _accept(self, batch, tree: TreeBatch, logits: torch.Tensor) -> sampling.VerifyResult:
         """specplug.common.sampling.verify on the target's logits [B*n, V]."""
         bs, n = tree.candidates.shape
-        info = batch.sampling_info
+        info = view.sampling(batch)
         parents, num_nodes = tree.parents, tree.num_nodes.cpu()
         rows = torch.full((bs,), n, dtype=torch.long)  # every request owns n rows (padding: roots)
-        logits = apply_rules(logits, rules_of(batch.reqs), tree.candidates, parents, rows)
-        if info.is_all_greedy:
+        logits = apply_rules(logits, rules_of(view.requests(batch)), tree.candidates, parents, rows)
+        if info.all_greedy:
             verdict = sampling.verify(tree.candidates, parents, logits.view(bs, n, -1), method="greedy",
                                       num_nodes=num_nodes)
         else:
-            min_p = info.min_ps.view(-1).repeat_interleave(n) if info.need_min_p_sampling else 0.0
+            min_p = info.min_ps.repeat_interleave(n) if info.min_ps is not None else 0.0
             p = sampling.process_logits(
-                logits, temperature=info.temperatures.view(-1).repeat_interleave(n),
-                top_k=info.top_ks.view(-1).repeat_interleave(n), top_p=info.top_ps.view(-1).repeat_interleave(n),
+                logits, temperature=info.temperatures.repeat_interleave(n),
+                top_k=info.top_ks.repeat_interleave(n), top_p=info.top_ps.repeat_interleave(n),
                 min_p=min_p, order="sglang")  # SGLang's own filters, in its order
             q = tree.draft_probs if self.method == "rejection" else None  # sampled drafts: verify with q
             if q is not None:

@@ -28,6 +28,7 @@ from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode
 from specplug.common.policy.adaptive import AdaptiveController, pinned_costs, tree_family, tree_option
 from specplug.common.drafters import MedusaDrafter, prior_accuracies
 from specplug.common.tree import DraftTree, TreeBatch, TreeConfig
+from specplug.sglang_medusa import batch_view as view
 from specplug.sglang_medusa.settings import MedusaSettings, settings_from_server_args
 from specplug.sglang_medusa.tree_worker import ROOT_ONLY, TreeVerifyWorker, root_only_batch, tree_layout
 
@@ -69,7 +70,7 @@ class MedusaWorker(TreeVerifyWorker):
     def _load_heads(self):
         from specplug.common.formats import load_head_module
 
-        dtype = self.model_runner.model_config.dtype
+        dtype = view.target_dtype(self.model_runner)
         return load_head_module(self.settings.heads_path, target_config=self.server_args.model_path,
                                 device=self.device, dtype=dtype).eval()
 
@@ -101,8 +102,8 @@ class MedusaWorker(TreeVerifyWorker):
         """(candidates [B, N] from the heads, the tree's layout); the root is the request's
         last committed token. Adaptive steps draft the chosen option's tree, or (None)
         the root alone without running the heads."""
-        rids = [req.rid for req in batch.reqs]
-        roots = torch.tensor([req.output_ids[-1] for req in batch.reqs], dtype=torch.long)
+        rids = view.request_ids(batch)
+        roots = torch.tensor(view.last_tokens(batch), dtype=torch.long)
         option = self._option = None if self.adaptive is None else self.adaptive.choose(len(rids))
         if self.adaptive is not None and option is None:
             return root_only_batch(roots), ROOT_ONLY
@@ -124,7 +125,7 @@ class MedusaWorker(TreeVerifyWorker):
         """Remember each request's last hidden state [B, H] and first token."""
         hidden = result.logits_output.hidden_states
         if hidden is not None:
-            rids = [req.rid for req in batch.reqs]
+            rids = view.request_ids(batch)
             self.drafter.prefill(rids, [None] * len(rids), hidden[:, None], result.next_token_ids)
 
     def _commit(self, batch, tree: TreeBatch, verdict, hidden: torch.Tensor) -> None:
@@ -134,7 +135,7 @@ class MedusaWorker(TreeVerifyWorker):
         rows = torch.arange(bs, device=hidden.device) * n + last_node.to(hidden.device)
         accepted_tokens = [tree.candidates[b, verdict.accepted_nodes[b, 1:int(verdict.num_accepted[b]) + 1]]
                            for b in range(bs)]
-        self.drafter.commit([req.rid for req in batch.reqs], accepted_tokens, hidden[rows][:, None],
+        self.drafter.commit(view.request_ids(batch), accepted_tokens, hidden[rows][:, None],
                             verdict.bonus_token)
 
 

@@ -147,8 +147,12 @@ def test_init_starts_from_a_trained_head_and_adds_its_training(trained, tiny_lla
     scratch_first = json.loads((folder / "checkpoint" / "state.json").read_text())["losses"][0]
     assert more.first_loss < 0.8 * scratch_first
     record = json.loads((out / "training.json").read_text())
-    assert record["init"] == {"head": str(folder), "steps": 24, "minutes": pytest.approx(result.seconds / 60, abs=0.01)}
+    first = json.loads((folder / "training.json").read_text())
+    seen = sum(e["tokens"] for e in first["throughput"]["epochs"])
+    assert record["init"] == {"head": str(folder), "steps": 24, "minutes": pytest.approx(result.seconds / 60, abs=0.01),
+                              "tokens": seen}
     assert record["total"]["steps"] == 27
+    assert record["total"]["tokens"] == seen + sum(e["tokens"] for e in record["throughput"]["epochs"]) > seen
     if method == "eagle3":
         assert torch.equal(formats.load_head(out).state_dict["d2t"], formats.load_head(folder).state_dict["d2t"])
     with pytest.raises(ValueError, match="exclude each other"):

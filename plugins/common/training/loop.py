@@ -347,6 +347,9 @@ def write_training_record(run: Run, state: dict, stopped: str | None) -> None:
 
 
 def _total(state: dict) -> dict:
-    """Steps and minutes behind the written head: this run's plus its --init head's."""
-    init = state.get("init") or {"steps": 0, "minutes": 0.0}
-    return {"steps": init["steps"] + state["step"], "minutes": round(init["minutes"] + state["seconds"] / 60, 2)}
+    """Steps, minutes and sample tokens behind the written head: this run's plus its
+    --init head's."""
+    init = state.get("init") or {"steps": 0, "minutes": 0.0, "tokens": 0}
+    tokens = sum(e["tokens"] for e in state.get("epochs", []))
+    return {"steps": init["steps"] + state["step"], "minutes": round(init["minutes"] + state["seconds"] / 60, 2),
+            "tokens": init["tokens"] + tokens}

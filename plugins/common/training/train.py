@@ -199,12 +199,15 @@ def check_init(cfg: TrainConfig, target_config) -> dict | None:
 
 
 def init_lineage(head_dir: Path) -> dict:
-    """Steps and minutes of training behind a head folder, read from its training.json
-    (its own total when it was itself started with --init); zeros when it has none."""
+    """Steps, minutes and sample tokens of training behind a head folder, read from its
+    training.json (its own total when it was itself started with --init); zeros when it
+    has none."""
     record = head_dir / "training.json"
     prior = json.loads(record.read_text()) if record.is_file() else {}
-    total = prior.get("total") or {"steps": prior.get("steps", 0), "minutes": prior.get("minutes", 0.0)}
-    return {"head": str(head_dir), "steps": total["steps"], "minutes": total["minutes"]}
+    tokens = sum(e["tokens"] for e in prior.get("throughput", {}).get("epochs", []))
+    total = prior.get("total") or {"steps": prior.get("steps", 0), "minutes": prior.get("minutes", 0.0),
+                                   "tokens": tokens}
+    return {"head": str(head_dir), "steps": total["steps"], "minutes": total["minutes"], "tokens": total["tokens"]}
 
 
 def check_memory(cfg: TrainConfig, target_config, available: int | None = None) -> int:

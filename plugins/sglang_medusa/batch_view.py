@@ -1,0 +1,110 @@
+"""The one reader of SGLang 0.5.23's batch, request and target-worker fields.
+
+Every `ScheduleBatch`, `Req` and `model_runner` field the specplug workers read goes
+through these functions, so an SGLang upgrade that renames one is fixed here (the list
+is in docs/architecture.md). Two places keep their own, because each is the only user
+of what it touches: tree_worker.TreeVerifyWorker writes the verify step's inputs into
+the batch (it is the one place that turns a decode batch into a verify batch), and
+request_rules reads each request's sampling-rule fields.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+
+# ---------------------------------------------------------------------- requests
+
+
+def requests(batch) -> list:
+    """The batch's requests (SGLang `Req`s), in row order."""
+    return batch.reqs
+
+
+def request_ids(batch) -> list[str]:
+    return [req.rid for req in batch.reqs]
+
+
+def request_id(req) -> str:
+    return req.rid
+
+
+def prompt_ids(req) -> list[int]:
+    return req.origin_input_ids
+
+
+def output_ids(req) -> list[int]:
+    """Committed output tokens; the last one is the next step's root."""
+    return req.output_ids
+
+
+def last_tokens(batch) -> list[int]:
+    """Each request's last committed token (the root of its next tree)."""
+    return [req.output_ids[-1] if req.output_ids else req.origin_input_ids[-1] for req in batch.reqs]
+
+
+# ---------------------------------------------------------------------- batch layout
+
+
+def seq_lens(batch) -> torch.Tensor:
+    """Int [B] on the device: tokens in each request's KV before this step."""
+    return batch.seq_lens
+
+
+def extend_spans(batch) -> list[tuple[int, int]]:
+    """Per request of an extend (prefill) batch: (first position, tokens) of this chunk."""
+    return [(int(start), int(n)) for start, n in zip(batch.prefix_lens, batch.extend_lens)]
+
+
+def is_decode(batch) -> bool:
+    return batch.forward_mode.is_decode()
+
+
+class Sampling(NamedTuple):
+    """The batch's sampling parameters, one row per request (None when all greedy)."""
+
+    all_greedy: bool
+    temperatures: torch.Tensor | None  # [B]
+    top_ks: torch.Tensor | None  # [B]
+    top_ps: torch.Tensor | None  # [B]
+    min_ps: torch.Tensor | None  # [B], None when no request asks for min-p
+
+
+def sampling(batch) -> Sampling:
+    info = batch.sampling_info
+    if info.is_all_greedy:
+        return Sampling(True, None, None, None, None)
+    rows = (info.temperatures, info.top_ks, info.top_ps)
+    return Sampling(False, *(x.view(-1) for x in rows), info.min_ps.view(-1) if info.need_min_p_sampling else None)
+
+
+# ---------------------------------------------------------------------- the target
+
+
+def target_model(model_runner) -> torch.nn.Module:
+    return model_runner.model
+
+
+def target_config(model_runner):
+    """The target's Hugging Face config."""
+    return model_runner.model_config.hf_config
+
+
+def target_dtype(model_runner) -> torch.dtype:
+    return model_runner.model_config.dtype
+
+
+def vocab_size(model_runner) -> int:
+    return model_runner.model_config.vocab_size
+
+
+def embedding_weight(model_runner) -> torch.Tensor:
+    """The target's input embedding [vocab, H] (shared, never copied)."""
+    return model_runner.model.model.embed_tokens.weight
+
+
+def lm_head_weight(model_runner) -> torch.Tensor:
+    """The target's LM head [vocab, H] (shared, never copied)."""
+    return model_runner.model.lm_head.weight
