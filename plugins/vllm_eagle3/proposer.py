@@ -85,7 +85,7 @@ class SpecplugEagleProposer(EagleProposer):
 
     def load_model(self, target_model):
         super().load_model(target_model)
-        if self.token_drafter is not None:  # self_spec drafts with the target's own loaded layers
+        if self.specplug is not None and self.token_drafter is not None:  # self_spec: the target's own layers
             token_drafters.bind_target(self.token_drafter, EngineTarget(
                 target_model, target_model.compute_logits, self.vllm_config.model_config.hf_text_config))
         if self.specplug is not None and self.state is not None:
