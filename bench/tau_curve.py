@@ -26,8 +26,9 @@ logger = logging.getLogger("tau_curve")
 def tokens_seen(record: dict) -> int:
     """Sample tokens trained on so far: training.json's total (a run started with --init
     adds its head's), else all epochs of its throughput record."""
-    if "total" in (record or {}) and record["total"] and "tokens" in record["total"]:
-        return record["total"]["tokens"]
+    total = record.get("total") or {}
+    if "tokens" in total:
+        return total["tokens"]
     return sum(e["tokens"] for e in record.get("throughput", {}).get("epochs", []))
 
 

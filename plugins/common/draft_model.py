@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from . import tree as tree_lib
+from .drafting.engine_layers import cut_config
 from .drafting.sampled import SampledDrafts
 from .reference import additive_mask
 from .token_drafters import TokenDrafterBase
@@ -105,9 +106,7 @@ def cut_draft_model(target_path: str | Path, layers: str | Sequence[int], out: s
     inner.layers = nn.ModuleList([inner.layers[i] for i in keep])
     for new_idx, layer in enumerate(inner.layers):
         layer.self_attn.layer_idx = new_idx
-    target.config.num_hidden_layers = len(keep)
-    if getattr(target.config, "layer_types", None):
-        target.config.layer_types = [target.config.layer_types[i] for i in keep]
+    target.config = cut_config(target.config, keep)
     out.mkdir(parents=True, exist_ok=True)
     target.save_pretrained(out)
     for name in TOKENIZER_FILES:

@@ -23,6 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specplug.common.reference import additive_mask
+
 
 class EngineTarget(NamedTuple):
     """What an engine adapter hands a self-speculative drafter once its target is loaded."""
@@ -51,7 +53,7 @@ class EngineLayerSkip(nn.Module):
             _check_layer(inner.layers[i], i)
         attn = self.layers[0].self_attn
         self.heads, self.kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
-        self.cache_config = _cache_config(target.config, layers)
+        self.cache_config = cut_config(target.config, layers)
         self.dtype = self.embed.weight.dtype  # the embedding is never packed
 
     def forward(self, input_ids: torch.Tensor, past_key_values=None, use_cache: bool = True,
@@ -61,7 +63,7 @@ class EngineLayerSkip(nn.Module):
         rows' keys and values to past_key_values."""
         tokens, positions = input_ids[0], position_ids[0]
         past = past_key_values.get_seq_length() if past_key_values is not None else 0
-        mask = attention_mask[0, 0] if attention_mask is not None else _causal(tokens.shape[0], past, self.dtype)
+        mask = (attention_mask if attention_mask is not None else _causal(tokens.shape[0], past, self.dtype))[0, 0]
         hidden, residual = self.embed(tokens), None
         for j, layer in enumerate(self.layers):
             hidden, residual = _norm(layer.input_layernorm, hidden, residual)
@@ -96,9 +98,8 @@ def _norm(norm, hidden, residual):
 
 
 def _causal(t: int, past: int, dtype: torch.dtype) -> torch.Tensor:
-    """Additive [T, past + T]: row i sees the cache and new rows <= i."""
-    allowed = torch.ones(t, past + t, dtype=torch.bool).tril(past)
-    return torch.zeros(t, past + t, dtype=dtype).masked_fill_(~allowed, torch.finfo(dtype).min)
+    """Additive [1, 1, T, past + T]: row i sees the cache and new rows <= i."""
+    return additive_mask(torch.ones(t, past + t, dtype=torch.bool).tril(past), dtype)
 
 
 def _check_layer(layer: nn.Module, index: int) -> None:
@@ -113,7 +114,7 @@ def _check_layer(layer: nn.Module, index: int) -> None:
                          "(`specplug draft-model cut`, drafter \"draft_model\")")
 
 
-def _cache_config(config, layers: Sequence[int]):
+def cut_config(config, layers: Sequence[int]):
     """The target's config with num_hidden_layers (and layer_types) cut to `layers`."""
     cut = copy.copy(config)
     cut.num_hidden_layers = len(layers)
