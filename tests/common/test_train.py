@@ -162,6 +162,21 @@ def test_init_starts_from_a_trained_head_and_adds_its_training(trained, tiny_lla
         T.train(_config(method, tiny_llama_path, tmp_path / "wrong", counting_data, init=str(other)))
 
 
+@pytest.mark.timeout(600)
+def test_init_reads_the_compact_medusa_form(trained, tiny_llama_path, counting_data, tmp_path):
+    """--init with a compact Medusa folder (how specplug commits heads: config.json and
+    residual blocks only) starts exactly where the full folder starts."""
+    from specplug.common.training import medusa
+
+    folder = trained["medusa"][1]
+    compact = medusa.compact(folder, tmp_path / "compact", tiny_llama_path)
+    full = T.train(_config("medusa", tiny_llama_path, tmp_path / "a", counting_data, steps=2, init=str(folder)))
+    small = T.train(_config("medusa", tiny_llama_path, tmp_path / "b", counting_data, steps=2, init=str(compact)))
+    assert small.first_loss == full.first_loss and small.last_loss == full.last_loss
+    with pytest.raises(ValueError, match="holds a medusa head"):
+        T.train(_config("eagle3", tiny_llama_path, tmp_path / "c", counting_data, init=str(compact)))
+
+
 def _sitting(cfg, monkeypatch, interrupt_at=None):
     """One `specplug train` sitting; with interrupt_at, SIGINT arrives during that step."""
     import os

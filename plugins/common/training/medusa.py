@@ -119,7 +119,10 @@ def init_head(head_dir: Path, target, cfg: TrainConfig) -> MedusaHeads:
     projections tied to the target's lm_head again; ValueError when --heads differs."""
     from specplug.common import formats
 
-    heads = formats.load_head_module(head_dir, target.config, dtype=torch.float32)
+    if is_compact(head_dir):  # the committed form: residual blocks only
+        heads = load_compact(head_dir)
+    else:
+        heads = formats.load_head_module(head_dir, target.config, dtype=torch.float32)
     if heads.config.medusa_num_heads != cfg.num_heads or heads.config.medusa_num_layers != cfg.num_layers:
         raise ValueError(f"--init {head_dir} has {heads.config.medusa_num_heads} heads x "
                          f"{heads.config.medusa_num_layers} blocks, this run asks for {cfg.num_heads} x "
@@ -128,6 +131,26 @@ def init_head(head_dir: Path, target, cfg: TrainConfig) -> MedusaHeads:
     tie_to_target(heads, target)
     logger.info("Medusa: %d heads x %d residual blocks from %s", cfg.num_heads, cfg.num_layers, head_dir)
     return heads.to(cfg.device).train()
+
+
+def is_compact(folder: str | Path) -> bool:
+    """A compact Medusa folder (config.json + residual blocks, no vocab projections)."""
+    return (Path(folder) / RESBLOCKS_FILE).is_file()
+
+
+def load_compact(folder: str | Path) -> MedusaHeads:
+    """The residual blocks of a compact folder in float32 heads whose vocab projections
+    are still untied (tie_to_target gives them the target's); ValueError when a block is missing."""
+    from safetensors.torch import load_file
+
+    folder = Path(folder)
+    heads = MedusaHeads(MedusaConfig.from_dict(json.loads((folder / "config.json").read_text())))
+    blocks = {k: v.float() for k, v in load_file(str(folder / RESBLOCKS_FILE)).items()}
+    missing = [k for k in heads.load_state_dict(blocks, strict=False).missing_keys if ".linear." in k]
+    if missing:
+        raise ValueError(f"{folder / RESBLOCKS_FILE} lacks residual blocks {missing} that its config.json calls "
+                         "for: rewrite the folder with `specplug train medusa` or keep the full head")
+    return heads
 
 
 def load_checkpoint(ckpt: Path, target, cfg: TrainConfig):

@@ -190,10 +190,11 @@ def check_init(cfg: TrainConfig, target_config) -> dict | None:
     if not cfg.init:
         return None
     from specplug.common import formats
+    from specplug.common.training import medusa
 
-    head = formats.load_head(cfg.init, target_config)
-    if head.method != cfg.method:
-        raise ValueError(f"--init {cfg.init} holds a {head.method} head; `specplug train {cfg.method}` needs a "
+    method = "medusa" if medusa.is_compact(cfg.init) else formats.load_head(cfg.init, target_config).method
+    if method != cfg.method:
+        raise ValueError(f"--init {cfg.init} holds a {method} head; `specplug train {cfg.method}` needs a "
                          f"{cfg.method} head (or drop --init to start from scratch)")
     return init_lineage(Path(cfg.init))
 
