@@ -10,7 +10,8 @@ copy whose section says `"stage": "tree"`, the whole tree verified in one target
 num_speculative_tokens = the tree budget); `specplug-hybrid` and `specplug-hybrid-tree`
 are those two with hybrid drafting on; `specplug-hybrid-skip` is `specplug-hybrid` with
 retrieval-only steps (RetrievalConfig.head_skip = HEAD_SKIP) (retrieval candidates merged into the head's tree:
-the section's "retrieval" settings, or the defaults). With `--draft-model DIR`: `draft_model`
+the section's "retrieval" settings, or the defaults); `specplug-hybrid-calibrated` is
+`specplug-hybrid` ranking the two sources on measured acceptance (`"calibrate": true`). With `--draft-model DIR`: `draft_model`
 (vLLM's built-in draft-model chain, K = DRAFT_MODEL_K) and `specplug-draft-model` (stage
 chain, the head's tree merged with the draft model's: specplug's "draft_model" token
 drafter). With `--self-spec-layers L`: `specplug-self-spec` (the same with specplug's
@@ -84,16 +85,18 @@ DRAFT_MODEL_K = 4  # draft_model: vLLM's chain length
 HEAD_SKIP = 1.0  # specplug-hybrid-skip: retrieval-only steps when it expects >= 1 accepted token
 
 
-def hybrid_head(head: str, stage: str, **retrieval) -> str:
+def hybrid_head(head: str, stage: str, calibrate: bool | None = None, **retrieval) -> str:
     """A folder with the same weights whose `specplug` section says `"stage": stage` and
     turns hybrid drafting on (its own "retrieval" settings, else the defaults), with
-    `retrieval` fields set on top."""
+    `retrieval` fields set on top; `calibrate` (None: as the head says) sets "calibrate"."""
     def edit(config):
         section = config.setdefault("specplug", {})
         settings = section.get("retrieval") or True
         if retrieval:
             settings = {**(settings if isinstance(settings, dict) else {}), **retrieval}
         section.update(stage=stage, retrieval=settings)
+        if calibrate is not None:
+            section["calibrate"] = calibrate
     return _head_copy(head, f"specplug-hybrid-{stage}-head-", edit)
 
 
@@ -150,7 +153,7 @@ class VllmRunner:
 
     def methods(self) -> list[str]:
         specplug = ["eagle3", "specplug", "specplug-tree", "specplug-adaptive", "specplug-hybrid", "specplug-hybrid-tree",
-                    "specplug-hybrid-skip"]
+                    "specplug-hybrid-skip", "specplug-hybrid-calibrated"]
         drafts = ["draft_model"] + (["specplug-draft-model"] if self.head else []) if self.draft_model else []
         drafts += ["specplug-self-spec"] if self.self_spec_layers and self.head else []
         return ["none", "ngram"] + drafts + (specplug if self.head else [])
@@ -178,6 +181,9 @@ class VllmRunner:
                     "num_speculative_tokens": tree.budget}
         if method == "specplug-hybrid":
             return {"method": "eagle3", "model": hybrid_head(self.head, "chain"), "num_speculative_tokens": tree.depth}
+        if method == "specplug-hybrid-calibrated":
+            head = hybrid_head(self.head, "chain", calibrate=True)
+            return {"method": "eagle3", "model": head, "num_speculative_tokens": tree.depth}
         if method == "specplug-hybrid-skip":
             head = hybrid_head(self.head, "chain", head_skip=HEAD_SKIP)
             return {"method": "eagle3", "model": head, "num_speculative_tokens": tree.depth}

@@ -43,6 +43,7 @@ from specplug.common import memory, token_drafters
 from specplug.common.drafting.eagle import Committed, EagleDrafting
 from specplug.common.merge import merge_trees
 from specplug.common.path_choice import best_chains, full_budget
+from specplug.common.policy.calibration import HybridScale
 from specplug.common.drafting.engine_layers import EngineTarget
 from specplug.common.token_drafters import draft_or_roots
 from specplug.common.tree import TreeConfig
@@ -80,6 +81,9 @@ class SpecplugEagleProposer(EagleProposer):
         if self.specplug.drafter is not None:
             self.token_drafter = token_drafters.build(self.specplug.drafter, vllm_config.model_config.get_vocab_size())
         self.drafted_alone = 0  # steps drafted by the token drafter alone (TokenDrafter.alone)
+        self.scale = None  # hybrid drafting on measured acceptance (stage chain): a HybridScale
+        if self.token_drafter is not None and self.specplug.calibrate and self.specplug.stage == "chain":
+            self.scale = HybridScale(["head", "tokens"])
         memory.trim_every(memory.trim_period(0.0))  # opt-in: SPECPLUG_MALLOC_TRIM_S (docs/reliability.md)
         self._log_active()
 
@@ -90,7 +94,7 @@ class SpecplugEagleProposer(EagleProposer):
                 target_model, target_model.compute_logits, self.vllm_config.model_config.hf_text_config))
         if self.specplug is not None and self.state is not None:
             # the runner builds its rejection sampler after the drafter: swap it here
-            on_verify = None if self.adaptive is None else self.adaptive.record_verify
+            on_verify = self._verified if self.adaptive is not None or self.scale is not None else None
             if self.specplug.stage == "tree":
                 from specplug.vllm_eagle3.tree_verify import TreeVerifier
                 self.tree_verifier = TreeVerifier(self.state)
@@ -189,7 +193,10 @@ class SpecplugEagleProposer(EagleProposer):
         tree = self.specplug.tree
         budget = full_budget(depth, tree.topk, roots[0].logprobs.shape[-1])
         trees = self.drafting.trees(roots, TreeConfig(depth, tree.topk, budget, tree.stop_below))
-        return best_chains(self._with_token_drafts(trees, req_ids, depth, budget=None), depth)
+        chains = best_chains(self._with_token_drafts(trees, req_ids, depth, budget=None), depth)
+        if self.scale is not None:
+            self.scale.chose(req_ids, chains)
+        return chains
 
     def _draft_trees(self, roots, req_ids):
         """Stage B: every kept node of each root's tree, Long [len(roots), N - 1], its
@@ -222,7 +229,17 @@ class SpecplugEagleProposer(EagleProposer):
         else:
             found = draft_or_roots(self.token_drafter, req_ids, trees.candidates[:, 0], max_depth=depth)
         keep = budget if budget is not None else int(trees.num_nodes.max() + found.num_nodes.max())
+        if self.scale is not None and budget is None:
+            return self.scale.merge(req_ids, [trees, found], keep)
         return merge_trees([trees, found], keep)
+
+    def _verified(self, num_draft_tokens, num_accepted):
+        """The sampler's verify result, [B] drafts scheduled and accepted per batch row."""
+        if self.adaptive is not None:
+            self.adaptive.record_verify(num_draft_tokens, num_accepted)
+        if self.scale is not None:
+            self.scale.verified(self.state.request_ids(len(num_draft_tokens)), num_draft_tokens,
+                                num_accepted.tolist())
 
     def _sync_token_drafter(self, requests):
         """Bring the token drafter's copy of each request's committed tokens to what
@@ -294,6 +311,8 @@ class SpecplugEagleProposer(EagleProposer):
     def _forget_finished(self):
         live = self.state.live
         self.drafting.forget(live)
+        if self.scale is not None:
+            self.scale.forget(live)
         if self.token_drafter is not None:
             for req_id in [r for r in self.token_drafter.live if r not in live]:
                 self.token_drafter.free(req_id)  # retrieval: its tokens join the cache of recent requests

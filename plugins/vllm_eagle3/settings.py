@@ -15,7 +15,8 @@ environment variable SPECPLUG_STAGE ("chain" or "tree") overrides it. Hybrid dra
 (plus an optional "datastore" path), SPECPLUG_RETRIEVAL ("0"/"1" or such a JSON
 object) overriding it, or `"drafter": NAME` / `{"name": NAME, fields}` for any
 registered token drafter, SPECPLUG_DRAFTER overriding both
-(specplug.common.token_drafters.drafter_choice).
+(specplug.common.token_drafters.drafter_choice). `"calibrate": true` ranks hybrid
+candidates on measured acceptance (SPECPLUG_CALIBRATE overrides).
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from specplug.common.policy.adaptive import ENV_ADAPTIVE as ENV_ADAPTIVE_OVERRIDE
-from specplug.common.policy.adaptive import adaptive_flag
+from specplug.common.policy.adaptive import adaptive_flag, section_flag
+from specplug.common.policy.calibration import ENV_CALIBRATE
 from specplug.common.token_drafters import DrafterChoice, check_choice, drafter_choice
 from specplug.common.tree import TreeConfig
 
@@ -53,6 +55,9 @@ class AdapterSettings:
     drafter: hybrid drafting: the token drafter (specplug.common.token_drafters; the
       built-in "retrieval" or any registered one) whose candidates are merged with the
       head's tree (specplug.common.merge) before path choice; None = head only.
+    calibrate: hybrid drafting ranks the head's and the token drafter's nodes on the
+      acceptance measured for each source in this engine
+      (specplug.common.policy.calibration), not on their own scores; stage "chain".
     """
 
     tree: TreeConfig = TreeConfig()
@@ -60,6 +65,7 @@ class AdapterSettings:
     stage: str = "chain"
     adaptive: bool = False
     drafter: DrafterChoice | None = None
+    calibrate: bool = False
 
     def __post_init__(self):
         if self.verification != "lossless":
@@ -117,6 +123,7 @@ def adapter_settings(section: Mapping[str, Any], environ: Mapping[str, str] = os
         stage=environ.get(ENV_STAGE_OVERRIDE) or section.get("stage", "chain"),
         adaptive=adaptive_flag(section, environ),
         drafter=drafter,
+        calibrate=section_flag(section, "calibrate", environ, ENV_CALIBRATE, "calibrated hybrid scores"),
     )
 
 

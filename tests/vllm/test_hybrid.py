@@ -85,6 +85,32 @@ def test_drafted_alone_skip_the_head_and_stay_lossless(engine, target):
     assert spec == token_ids(engine(target).generate(REPEATING, sampling, use_tqdm=False))
 
 
+def test_calibrated_hybrid_learns_and_stays_lossless(engine, target):
+    """"calibrate": the head's and retrieval's nodes are ranked on acceptance measured in
+    this engine; the verified chains are counted for both sources and greedy output is
+    unchanged."""
+    head = tiny_head_dir(target, specplug={**SPECPLUG_CHAIN, "retrieval": RETRIEVAL, "calibrate": True})
+    llm = engine(target, head)
+    sampling = params(max_tokens=32, temperature=0.0)
+    spec, stats = run(llm, REPEATING, sampling)
+    assert stats.num_drafts > 0
+    assert spec == token_ids(engine(target).generate(REPEATING, sampling, use_tqdm=False))
+    verified = drafter_of(llm).scale.calibration.verified.sum(1)  # [head, tokens]
+    assert (verified > 0).all()
+
+
+def test_calibrate_flag():
+    from specplug.vllm_eagle3.settings import adapter_settings
+
+    assert not adapter_settings({}).calibrate
+    assert adapter_settings({"calibrate": True}).calibrate
+    assert not adapter_settings({"calibrate": True}, {"SPECPLUG_CALIBRATE": "0"}).calibrate
+    with pytest.raises(TypeError, match="calibrate"):
+        adapter_settings({"calibrate": "yes"})
+    with pytest.raises(ValueError, match="SPECPLUG_CALIBRATE"):
+        adapter_settings({}, {"SPECPLUG_CALIBRATE": "maybe"})
+
+
 @pytest.mark.parametrize("name, cls", [("lookup", "LookupDrafter"), ("draft_model", "DraftModelTokenDrafter"),
                                        ("self_spec", "SelfSpecTokenDrafter")])
 def test_a_registered_drafter_runs_beside_the_head(engine, target, tmp_path_factory, name, cls):

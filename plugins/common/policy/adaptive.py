@@ -58,15 +58,21 @@ class AdaptiveSettings:
 
 def adaptive_flag(section: Mapping, environ: Mapping[str, str]) -> bool:
     """The head section's "adaptive" (default False), overridden by SPECPLUG_ADAPTIVE=1/0."""
-    value = section.get("adaptive", False)
+    return section_flag(section, "adaptive", environ, ENV_ADAPTIVE, "adaptive speculation")
+
+
+def section_flag(section: Mapping, key: str, environ: Mapping[str, str], env: str, what: str) -> bool:
+    """A true/false field of a head's specplug section (default False), overridden by the
+    environment variable `env` (1/true/yes/on or 0/false/no/off)."""
+    value = section.get(key, False)
     if not isinstance(value, bool):
-        raise TypeError(f"specplug \"adaptive\" in config.json must be true or false, got {value!r}")
-    override = (environ.get(ENV_ADAPTIVE) or "").strip().lower()
+        raise TypeError(f"specplug \"{key}\" in config.json must be true or false, got {value!r}")
+    override = (environ.get(env) or "").strip().lower()
     if not override:
         return value
     if override not in _BOOLS:
-        raise ValueError(f"{ENV_ADAPTIVE} must be 1/true/yes or 0/false/no, got {override!r}: "
-                         f"set it to 1 to turn adaptive speculation on, 0 to turn it off")
+        raise ValueError(f"{env} must be 1/true/yes or 0/false/no, got {override!r}: "
+                         f"set it to 1 to turn {what} on, 0 to turn it off")
     return _BOOLS[override]
 
 
