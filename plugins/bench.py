@@ -98,6 +98,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="comma-separated methods (default: all the engine offers: none, built-ins, specplug)")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     parser.add_argument("--seed", type=int, default=0, help="sampling seed (per request: seed + index)")
+    parser.add_argument("--unseeded", action="store_true",
+                        help="vLLM: requests carry no seed (--seed seeds the engine only); specplug's sampled "
+                             "drafts (specplug-sampled) serve unseeded requests only")
     parser.add_argument("--adaptive", action="store_true", help="turn on adaptive (batch-aware) speculation for specplug methods")
     parser.add_argument("--out", default="bench-results", help="folder for the JSON and PNG")
     parser.add_argument("--json", action="store_true", help="print the JSON instead of the markdown table")
@@ -215,7 +218,8 @@ def _meta(args: argparse.Namespace, batch_sizes: list[int]) -> dict:
             "model": args.model or "test bed SmolLM2-135M-Instruct", "head": args.head,
             "prompts": args.prompts, "num_prompts": args.num_prompts,
             "max_new_tokens": args.max_new_tokens, "batch_sizes": batch_sizes,
-            "temperature": args.temperature, "seed": args.seed, "adaptive": args.adaptive,
+            "temperature": args.temperature, "seed": args.seed, "unseeded": getattr(args, "unseeded", False),
+            "adaptive": args.adaptive,
             "environment": {k: v for k, v in sorted(os.environ.items()) if k.startswith("SPECPLUG_")}}
 
 
@@ -226,7 +230,8 @@ def _fmt(x, spec: str) -> str:
 def markdown(report: dict) -> str:
     m = report["meta"]
     lines = [f"machine: {m['machine']} ({m['device']}); model: {m['model']}; prompts: {m['prompts']} "
-             f"x{m['num_prompts']}, {m['max_new_tokens']} new tokens; T={m['temperature']}; seed {m['seed']}"
+             f"x{m['num_prompts']}, {m['max_new_tokens']} new tokens; T={m['temperature']}; "
+             f"{'unseeded requests' if m.get('unseeded') else 'seed ' + str(m['seed'])}"
              + "".join(f"; {k}={v}" for k, v in m.get("environment", {}).items()),
              "", "| engine | batch | method | tok/s | speed-up | tau | accepted by position | draft / verify time "
              "| same as none |", "|---|---|---|---|---|---|---|---|---|"]

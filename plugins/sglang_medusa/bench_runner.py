@@ -12,8 +12,9 @@ says so, lossless; the test bed's smollm2-eagle3, or `--head` when it is an EAGL
 head), `eagle3-head` (the same head alone: argmax top-k trees, verified with the
 target-only rule) and `eagle3-sampled` (the head alone, trees drawn from q at the run's
 `--temperature`, verified with q: the acceptance gain of sampled drafts at T > 0),
-`medusa-typical` (the same heads with typical acceptance, LOSSY) and `medusa-adaptive`
-(MEDUSA with adaptive speculation: `--speculative-adaptive`). With `--adaptive`, every
+`medusa-typical` (the same heads with typical acceptance, LOSSY), `medusa-adaptive`
+(MEDUSA with adaptive speculation: `--speculative-adaptive`) and `medusa-sampled` (MEDUSA
+drafting chains from the heads' q at the run's `--temperature`, verified with q). With `--adaptive`, every
 MEDUSA method runs adaptive. Acceptance comes from SGLang's per-request meta_info
 (specplug.sglang_medusa.metrics).
 """
@@ -120,7 +121,7 @@ class SglangRunner:
         return (["none", "ngram", "retrieval"] + (["draft-model"] if self.draft_model else [])
                 + (["self-spec"] if self.self_spec_layers else [])
                 + (["eagle3", "eagle3-head", "eagle3-sampled"] if self.eagle3_head else [])
-                + (["medusa", "medusa-typical", "medusa-adaptive"] if self.head else []))
+                + (["medusa", "medusa-typical", "medusa-adaptive", "medusa-sampled"] if self.head else []))
 
     def speculative_args(self, method: str) -> dict:
         if method == "none":
@@ -146,7 +147,7 @@ class SglangRunner:
         medusa = {"speculative_algorithm": "MEDUSA", "speculative_draft_model_path": self.head}
         if self.adaptive or method == "medusa-adaptive":
             medusa["speculative_adaptive"] = True
-        if method in ("medusa", "medusa-adaptive"):
+        if method in ("medusa", "medusa-adaptive", "medusa-sampled"):
             return medusa
         if method == "medusa-typical":
             return {**medusa, **TYPICAL}
@@ -160,9 +161,9 @@ class SglangRunner:
             return {ENV_DRAFTER: json.dumps({"layers": self.self_spec_layers})}
         if method == "eagle3-head":
             return {ENV_RETRIEVAL: "0"}
-        if method == "eagle3-sampled":
+        if method in ("eagle3-sampled", "medusa-sampled"):
             if not self.temperature > 0:
-                raise SystemExit("specplug bench: method 'eagle3-sampled' draws drafts at the run's temperature: "
+                raise SystemExit(f"specplug bench: method {method!r} draws drafts at the run's temperature: "
                                  "pass --temperature > 0 (e.g. 0.7)")
             return {ENV_RETRIEVAL: "0", DRAFT_TEMPERATURE_ENV: str(self.temperature)}
         return {}

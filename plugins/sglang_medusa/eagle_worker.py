@@ -42,7 +42,7 @@ from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode
 
 from specplug.common.drafting.eagle import Committed, EagleDrafting, Root
 from specplug.common.drafting.runner import TorchHeadRunner
-from specplug.common.drafting.sampled import SampledDrafts
+from specplug.common.drafting.sampled import SampledDrafts, sampled_tree
 from specplug.common.merge import merge_trees
 from specplug.common.tree import DraftTree, TreeBatch, TreeConfig, stack_trees
 from specplug.sglang_medusa import batch_view as view
@@ -237,13 +237,6 @@ class _Roots(NamedTuple):
     roots: list  # Root or None per request
     last: list[int]  # each request's root token in SGLang (its last output id)
     usable: list[bool]  # the Root is in step with SGLang's request
-
-
-def sampled_tree(tree: TreeConfig) -> TreeConfig:
-    """The sampled-draft shape within `tree`'s budget: width chains of depth, width * depth
-    <= budget (a sampled tree has 1 + width * depth nodes; SGLang reserves budget + 1)."""
-    depth = min(tree.depth, tree.budget)
-    return TreeConfig(depth, max(1, tree.budget // depth), tree.budget)
 
 
 def _root_only(token: int) -> DraftTree:

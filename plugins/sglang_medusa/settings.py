@@ -40,6 +40,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from specplug.common.drafting.sampled import ENV_DRAFT_TEMPERATURE, draft_temperature
 from specplug.common.policy.adaptive import adaptive_flag
 from specplug.common.retrieval.config import ENV_RETRIEVAL, retrieval_override
 from specplug.common.sampling import TYPICAL_DELTA, TYPICAL_EPSILON
@@ -71,6 +72,7 @@ class MedusaSettings:
     typical_delta: float = TYPICAL_DELTA
     head_accuracies: tuple[tuple[float, ...], ...] | None = None
     adaptive: bool = False
+    draft_temperature: float | None = None  # batches with sampled requests: chains drawn from the heads' q
 
     @property
     def num_nodes(self) -> int:
@@ -170,12 +172,17 @@ def settings_from_server_args(cfg, adaptive_arg: bool = False, environ=None) -> 
               max(len(c) for c in choices), "drop the deeper paths")
     verification, eps, delta = _verification(cfg, section)
     accuracies = section.get("head_accuracies")
+    temperature = _draft_temperature(section, environ, "MEDUSA")
+    if temperature is not None and verification == "typical":
+        _fail("draft_temperature (sampled drafts)", "unset with typical acceptance", temperature,
+              "typical acceptance never reads q: drop draft_temperature or use lossless verification")
     return MedusaSettings(
         heads_path=str(cfg.speculative_draft_model_path),
         tree=_tree_config(cfg, section, num_heads, "chain" if shape == "chain" else "optimal"),
         choices=choices, verification=verification, typical_epsilon=eps, typical_delta=delta,
         head_accuracies=None if accuracies is None else tuple(tuple(map(float, r)) for r in accuracies),
         adaptive=adaptive_flag({**section, "adaptive": section.get("adaptive", False) or bool(adaptive_arg)}, environ),
+        draft_temperature=temperature,
     )
 
 
@@ -254,7 +261,7 @@ def _drafter_fields(name: str, environ) -> dict:
 # -- SPECPLUG_EAGLE3: EAGLE-3 heads with dynamic trees ------------------------------------
 
 EAGLE3 = "SPECPLUG_EAGLE3"
-DRAFT_TEMPERATURE_ENV = "SPECPLUG_DRAFT_TEMPERATURE"
+DRAFT_TEMPERATURE_ENV = ENV_DRAFT_TEMPERATURE
 
 
 @dataclass(frozen=True)
@@ -304,22 +311,12 @@ def eagle3_settings_from_server_args(cfg, environ=None) -> Eagle3Settings:
     return Eagle3Settings(str(path), tree, drafter, _draft_temperature(section, environ))
 
 
-def _draft_temperature(section: dict, environ) -> float | None:
-    """SPECPLUG_DRAFT_TEMPERATURE (empty or 0: off), else the section's "draft_temperature"."""
-    text = environ.get(DRAFT_TEMPERATURE_ENV)
-    where = DRAFT_TEMPERATURE_ENV if text is not None else "specplug.draft_temperature in the head's config.json"
-    value = text.strip() if text is not None else section.get("draft_temperature")
-    if value in (None, ""):
-        return None
+def _draft_temperature(section: dict, environ, algorithm: str = EAGLE3) -> float | None:
+    """specplug.common.drafting.sampled.draft_temperature, its error in SGLang's words."""
     try:
-        temperature = float(value)
-    except (TypeError, ValueError):
-        temperature = float("nan")
-    if temperature == 0:
-        return None
-    if not temperature > 0:
-        _fail(where, "a temperature > 0 (or 0 / unset: top-k trees)", value, "fix or unset it", EAGLE3)
-    return temperature
+        return draft_temperature(section, environ)
+    except ValueError as exc:
+        raise ValueError(f"{algorithm}: {exc}") from exc
 
 
 def _positive(arg: str, value, algorithm: str = "MEDUSA") -> int:

@@ -6,6 +6,11 @@ step: the prefill captures the LAST hidden state, each verify pass every node's)
 a static candidate tree (specplug.common.tree), one shared topology; after a verify
 the drafter keeps the hidden state of the last accepted node.
 
+Sampled drafts (the heads' "draft_temperature" or SPECPLUG_DRAFT_TEMPERATURE): in a batch
+with a sampled request, each request's tree is chains drawn from the heads' q at that
+temperature (MedusaDrafter.draft_sampled), verified with q; greedy batches keep the
+static tree.
+
 Adaptive speculation (settings.adaptive): before each decode step
 specplug.common.policy.adaptive.AdaptiveController picks a tree from a family of budgets (the
 optimal sparse trees for the heads' accuracies, or chains of 1..depth) or none, from
@@ -27,10 +32,11 @@ from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode
 
 from specplug.common.policy.adaptive import AdaptiveController, pinned_costs, tree_family, tree_option
 from specplug.common.drafters import MedusaDrafter, prior_accuracies
+from specplug.common.drafting.sampled import SampledDrafts, sampled_tree
 from specplug.common.tree import DraftTree, TreeBatch, TreeConfig
 from specplug.sglang_medusa import batch_view as view
 from specplug.sglang_medusa.settings import MedusaSettings, settings_from_server_args
-from specplug.sglang_medusa.tree_worker import ROOT_ONLY, TreeVerifyWorker, root_only_batch, tree_layout
+from specplug.sglang_medusa.tree_worker import ROOT_ONLY, TreeVerifyWorker, batch_layout, root_only_batch, tree_layout
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +63,9 @@ class MedusaWorker(TreeVerifyWorker):
                 f"MEDUSA tree has {self.template.num_nodes} nodes but speculative_num_draft_tokens is "
                 f"{self.num_nodes}: leave --speculative-num-draft-tokens unset or give the tree's node count")
         self._layout = tree_layout(self.template, self.device)
+        self.sampled = SampledDrafts(self.settings.draft_temperature)
+        self.sampled_tree = sampled_tree(TreeConfig(min(self.settings.tree.depth, self.drafter.heads.num_heads),
+                                                    self.settings.tree.topk, self.num_nodes - 1))
         self.adaptive: AdaptiveController | None = None
         self._option = None  # the adaptive option of the step in flight
         self._budgets: dict = {}  # SpecOption -> (TreeConfig, layout)
@@ -107,6 +116,10 @@ class MedusaWorker(TreeVerifyWorker):
         option = self._option = None if self.adaptive is None else self.adaptive.choose(len(rids))
         if self.adaptive is not None and option is None:
             return root_only_batch(roots), ROOT_ONLY
+        if self.sampled.on and option is None and not view.sampling(batch).all_greedy:
+            tree = self.drafter.draft_sampled(rids, self.sampled_tree, self.sampled)
+            tree.candidates[:, 0] = roots.to(tree.candidates.device)
+            return tree, batch_layout(tree)
         config, layout = (self.settings.tree, self._layout) if option is None else self._budgets[option]
         started = time.perf_counter()
         tree = self.drafter.draft(rids, config)

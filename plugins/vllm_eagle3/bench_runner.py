@@ -11,7 +11,9 @@ num_speculative_tokens = the tree budget); `specplug-hybrid` and `specplug-hybri
 are those two with hybrid drafting on; `specplug-hybrid-skip` is `specplug-hybrid` with
 retrieval-only steps (RetrievalConfig.head_skip = HEAD_SKIP) (retrieval candidates merged into the head's tree:
 the section's "retrieval" settings, or the defaults); `specplug-hybrid-calibrated` is
-`specplug-hybrid` ranking the two sources on measured acceptance (`"calibrate": true`). With `--draft-model DIR`: `draft_model`
+`specplug-hybrid` ranking the two sources on measured acceptance (`"calibrate": true`);
+`specplug-sampled` is the head's section with `"draft_temperature"` = --temperature:
+unseeded sampled requests get chains drawn from q, verified with q (use --unseeded). With `--draft-model DIR`: `draft_model`
 (vLLM's built-in draft-model chain, K = DRAFT_MODEL_K) and `specplug-draft-model` (stage
 chain, the head's tree merged with the draft model's: specplug's "draft_model" token
 drafter). With `--self-spec-layers L`: `specplug-self-spec` (the same with specplug's
@@ -44,7 +46,8 @@ def make_runner(args):
                       temperature=args.temperature, seed=args.seed,
                       max_batch=max(int(b) for b in args.batch_sizes.split(",") if b),
                       adaptive=getattr(args, "adaptive", False), draft_model=getattr(args, "draft_model", None),
-                      self_spec_layers=getattr(args, "self_spec_layers", None))
+                      self_spec_layers=getattr(args, "self_spec_layers", None),
+                      seeded=not getattr(args, "unseeded", False))
 
 
 def default_head() -> str | None:
@@ -137,7 +140,7 @@ class VllmRunner:
 
     def __init__(self, model: str, head: str | None, *, max_new_tokens: int,
                  temperature: float, seed: int, max_batch: int, adaptive: bool = False,
-                 draft_model: str | None = None, self_spec_layers: str | None = None):
+                 draft_model: str | None = None, self_spec_layers: str | None = None, seeded: bool = True):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB; vLLM-CPU needs it set
         import vllm
@@ -147,13 +150,13 @@ class VllmRunner:
         self.model, self.head = model, head
         self.max_new_tokens, self.temperature, self.seed = max_new_tokens, temperature, seed
         self.max_batch, self.adaptive, self.draft_model = max_batch, adaptive, draft_model
-        self.self_spec_layers = self_spec_layers
+        self.self_spec_layers, self.seeded = self_spec_layers, seeded
         self.tokenizer = AutoTokenizer.from_pretrained(model)
         self._method, self._llm = None, None
 
     def methods(self) -> list[str]:
         specplug = ["eagle3", "specplug", "specplug-tree", "specplug-adaptive", "specplug-hybrid", "specplug-hybrid-tree",
-                    "specplug-hybrid-skip", "specplug-hybrid-calibrated"]
+                    "specplug-hybrid-skip", "specplug-hybrid-calibrated", "specplug-sampled"]
         drafts = ["draft_model"] + (["specplug-draft-model"] if self.head else []) if self.draft_model else []
         drafts += ["specplug-self-spec"] if self.self_spec_layers and self.head else []
         return ["none", "ngram"] + drafts + (specplug if self.head else [])
@@ -183,6 +186,13 @@ class VllmRunner:
             return {"method": "eagle3", "model": hybrid_head(self.head, "chain"), "num_speculative_tokens": tree.depth}
         if method == "specplug-hybrid-calibrated":
             head = hybrid_head(self.head, "chain", calibrate=True)
+            return {"method": "eagle3", "model": head, "num_speculative_tokens": tree.depth}
+        if method == "specplug-sampled":
+            if self.temperature <= 0:
+                raise SystemExit("specplug bench: method 'specplug-sampled' drafts from q at the sampling "
+                                 "temperature: pass --temperature > 0 (and --unseeded)")
+            head = _head_copy(self.head, "specplug-sampled-head-", lambda config: config.setdefault(
+                "specplug", {}).update(stage="chain", draft_temperature=self.temperature))
             return {"method": "eagle3", "model": head, "num_speculative_tokens": tree.depth}
         if method == "specplug-hybrid-skip":
             head = hybrid_head(self.head, "chain", head_skip=HEAD_SKIP)
@@ -230,7 +240,7 @@ class VllmRunner:
 
         llm = self._engine(method)
         params = [SamplingParams(max_tokens=self.max_new_tokens, ignore_eos=True,
-                                 temperature=self.temperature, seed=self.seed + i)
+                                 temperature=self.temperature, seed=self.seed + i if self.seeded else None)
                   for i in range(len(prompts))]
         self._forget_earlier_runs(llm)
         before = spec_decode_stats(llm.get_metrics())

@@ -93,6 +93,11 @@ class DenseEagle3Head(_DenseLayer):
             return None
         return torch.arange(d2t.shape[0], device=d2t.device) + d2t
 
+    @property
+    def vocab_size(self) -> int:
+        """The target's vocabulary size: sampled drafts scatter q into its columns."""
+        return self.model.config.vocab_size
+
     def combine(self, aux_hidden: torch.Tensor) -> torch.Tensor:
         """[T, 3*Ht] concatenated target aux states -> [T, H] (the head's fc)."""
         return self.model.combine_hidden_states(aux_hidden)

@@ -41,6 +41,7 @@ from specplug.vllm_eagle3.settings import (
 )
 from specplug.common import memory, token_drafters
 from specplug.common.drafting.eagle import Committed, EagleDrafting
+from specplug.common.drafting.sampled import SampledDrafts
 from specplug.common.merge import merge_trees
 from specplug.common.path_choice import best_chains, full_budget
 from specplug.common.policy.calibration import HybridScale
@@ -81,6 +82,8 @@ class SpecplugEagleProposer(EagleProposer):
         if self.specplug.drafter is not None:
             self.token_drafter = token_drafters.build(self.specplug.drafter, vllm_config.model_config.get_vocab_size())
         self.drafted_alone = 0  # steps drafted by the token drafter alone (TokenDrafter.alone)
+        self.sampled = SampledDrafts(self.specplug.draft_temperature)  # off without "draft_temperature"
+        self.drawn: dict = {}  # request -> (draft tokens, q Float [K, V]) of chains drawn from q last step
         self.scale = None  # hybrid drafting on measured acceptance (stage chain): a HybridScale
         if self.token_drafter is not None and self.specplug.calibrate and self.specplug.stage == "chain":
             self.scale = HybridScale(["head", "tokens"])
@@ -102,8 +105,9 @@ class SpecplugEagleProposer(EagleProposer):
                 logger.info("specplug stage tree: runner._prepare_inputs and _build_attention_metadata "
                             "wrapped (tree positions, ancestor mask via CPU_ATTN override, KV "
                             "compaction after verification)")
+            draft_q = self._draft_q if self.sampled.on else None
             self.state.replace_rejection_sampler(lambda own: SpecplugChainSampler(
-                own, on_verify, self.tree_verifier, self._request_params, self.state.tokens_before_step))
+                own, on_verify, self.tree_verifier, self._request_params, self.state.tokens_before_step, draft_q))
             logger.info("specplug: runner.rejection_sampler replaced by SpecplugChainSampler "
                         "(specplug.common.sampling.verify)")
 
@@ -118,7 +122,8 @@ class SpecplugEagleProposer(EagleProposer):
                 common_attn_metadata, sampling_metadata, mm_embed_inputs,
                 num_rejected_tokens_gpu, slot_mappings,
             )
-        self._last_draft_probs = None  # deterministic drafting: vLLM's target-only rule
+        self._last_draft_probs = None  # vLLM's own draft-probs slot stays empty (q travels by self.drawn)
+        self.drawn = {}  # chains drawn from q are verified in the step after they were drafted, never later
         if self.drafting is None:
             self.drafting = EagleDrafting(self.head_runner(self.model))
         if self.adaptive is not None:
@@ -186,10 +191,21 @@ class SpecplugEagleProposer(EagleProposer):
         return out.to(next_token_ids.device)
 
     def _draft_chains(self, roots, req_ids, depth):
-        """Stage A: each root's best tree path, Long [len(roots), depth]. When drafting
-        stopped early (TreeConfig.stop_below) the path is padded like any short path:
-        vLLM-CPU's target step measured 36% slower when the chain length varied from
-        step to step than with a fixed length, which costs more than the padding."""
+        """Stage A: Long [len(roots), depth], each request's best tree path, or with sampled
+        drafts on, a chain drawn from q for each request that samples (_draws_from_q)."""
+        drawn = [self._draws_from_q(r) for r in req_ids]
+        chains = torch.zeros(len(roots), depth, dtype=torch.long)
+        for from_q, draft in ((False, self._best_paths), (True, self._drawn_chains)):
+            rows = [i for i, d in enumerate(drawn) if d == from_q]
+            if rows:
+                chains[rows] = draft([roots[i] for i in rows], [req_ids[i] for i in rows], depth)
+        return chains
+
+    def _best_paths(self, roots, req_ids, depth):
+        """Each root's best tree path, Long [len(roots), depth]. When drafting stopped
+        early (TreeConfig.stop_below) the path is padded like any short path: vLLM-CPU's
+        target step measured 36% slower when the chain length varied from step to step
+        than with a fixed length, which costs more than the padding."""
         tree = self.specplug.tree
         budget = full_budget(depth, tree.topk, roots[0].logprobs.shape[-1])
         trees = self.drafting.trees(roots, TreeConfig(depth, tree.topk, budget, tree.stop_below))
@@ -197,6 +213,34 @@ class SpecplugEagleProposer(EagleProposer):
         if self.scale is not None:
             self.scale.chose(req_ids, chains)
         return chains
+
+    def _drawn_chains(self, roots, req_ids, depth):
+        """One chain per root drawn from the head's q (Leviathan), Long [len(roots), depth];
+        each request's tokens and q rows wait in self.drawn for the sampler's next verify."""
+        trees = self.drafting.trees(roots, TreeConfig(depth, 1, depth), self.sampled, req_ids)
+        chains = trees.candidates[:, 1:]  # [B, depth]; draft_probs [B, depth + 1, V], row j: q of draft j + 1
+        for b, req_id in enumerate(req_ids):
+            self.drawn[req_id] = (tuple(chains[b].tolist()), trees.draft_probs[b, :depth])
+        return chains
+
+    def _draws_from_q(self, req_id) -> bool:
+        """Sampled drafts for this request: on, and it samples without a seed (a seeded
+        request keeps argmax drafts and the coupled draws that make it reproducible)."""
+        if not self.sampled.on:
+            return False
+        params = self.state.sampling_params(req_id)
+        return params is not None and params.temperature >= 1e-5 and params.seed is None
+
+    def _draft_q(self, batch, candidates, num_nodes) -> dict:
+        """{batch row: q Float [n - 1, V]} for the rows of this verify step whose drafts
+        were drawn from q (their tokens as drawn); forgets every drawn chain."""
+        drawn, self.drawn = self.drawn, {}
+        rows = {}
+        for b, req_id in enumerate(self.state.request_ids(batch) if drawn else ()):
+            n = int(num_nodes[b])
+            if req_id in drawn and n > 1 and tuple(candidates[b, 1:n].tolist()) == drawn[req_id][0][:n - 1]:
+                rows[b] = drawn[req_id][1][:n - 1]
+        return rows
 
     def _draft_trees(self, roots, req_ids):
         """Stage B: every kept node of each root's tree, Long [len(roots), N - 1], its

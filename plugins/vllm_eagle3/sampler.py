@@ -28,6 +28,11 @@ no request has drafts (adaptive speculation chose none) and none asks for logit 
 is exactly a step without speculation, and vLLM's sampler costs a third of specplug's
 rules and verify at batch 64.
 
+Sampled drafts (the head's "draft_temperature"): a request that samples without a seed
+may have drafts the proposer drew from the head's q; the proposer hands q over
+(`draft_q`) and those rows are verified by rejection sampling with q instead, lossless
+for drafts drawn from q and accepting min(p, q) where the coupled draws accept p(x).
+
 Stage "tree" uses the same layout with the tree's parents in place of the chain's:
 request i's rows are the distributions after each of its tree nodes (tree_verify.py).
 """
@@ -39,7 +44,7 @@ import logging
 import torch
 
 from specplug.common.request_rules import apply_rules
-from specplug.common.sampling import position_uniforms, process_logits, verify
+from specplug.common.sampling import VerifyResult, position_uniforms, process_logits, verify
 from specplug.common.tree import chain_batch, pad_parents
 from specplug.vllm_eagle3.request_rules import logit_bias_of, min_p_of, rules_of, undraftable_reason
 
@@ -58,6 +63,25 @@ def _padded_output(result, candidates: torch.Tensor) -> torch.Tensor:
     tokens = result.output_tokens(candidates)  # [B, D + 1], D = deepest path (0: no drafts this step)
     pad = tokens.new_full((tokens.shape[0], candidates.shape[1] - tokens.shape[1]), -1)
     return torch.cat([tokens, pad], dim=1).to(torch.int32)
+
+
+def _flat_rows(flat: torch.Tensor, num_nodes: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """The request-major rows [sum(num_nodes[rows]), V] of the requests `rows` (ascending)."""
+    starts = torch.cumsum(num_nodes, 0) - num_nodes
+    return torch.cat([flat[int(starts[b]):int(starts[b] + num_nodes[b])] for b in rows])
+
+
+def _stitched(batch: int, parts) -> VerifyResult:
+    """One VerifyResult [batch] from the results of disjoint row sets [(rows, result)]."""
+    width = max(r.accepted_nodes.shape[1] for _, r in parts)
+    accepted = torch.full((batch, width), -1, dtype=torch.long)
+    num_accepted = torch.zeros(batch, dtype=torch.long)
+    bonus = torch.zeros(batch, dtype=torch.long)
+    for rows, r in parts:
+        accepted[rows, :r.accepted_nodes.shape[1]] = r.accepted_nodes.cpu()
+        num_accepted[rows] = r.num_accepted.cpu()
+        bonus[rows] = r.bonus_token.cpu()
+    return VerifyResult(accepted, num_accepted, bonus)
 
 
 def _spread(t: torch.Tensor | None, width: int) -> torch.Tensor | None:
@@ -89,8 +113,11 @@ class SpecplugChainSampler:
     greedy step without drafts (_plain_greedy), emits one token per request from vLLM's
     non-speculative sampler instead."""
 
-    def __init__(self, vllm_sampler, on_verify=None, tree=None, request_params=None, request_positions=None):
+    def __init__(self, vllm_sampler, on_verify=None, tree=None, request_params=None, request_positions=None,
+                 draft_q=None):
         self.vllm_sampler = vllm_sampler
+        # (B, candidates, num_nodes) -> {row: q Float [n - 1, V]}: rows whose drafts were drawn from q
+        self.draft_q = draft_q
         self.on_verify = on_verify  # (num_draft_tokens [B], num_accepted [B]) after each verify
         self.tree = tree
         self.request_params = request_params or (lambda batch: [None] * batch)  # B -> SamplingParams per row
@@ -172,11 +199,25 @@ class SpecplugChainSampler:
         return SamplerOutput(sampled_token_ids=tokens, logprobs_tensors=logprobs)
 
     def _verify(self, candidates, parents, num_nodes, logits, sampling_metadata, params):
-        """verify() over flat logits [sum(num_nodes), vocab] (request-major)."""
+        """verify() over flat logits [sum(num_nodes), vocab] (request-major): greedy, or
+        "coupled" draws; rows whose drafts were drawn from q (self.draft_q) by rejection
+        sampling with that q (Leviathan), which accepts more of such drafts."""
+        drawn = {} if self.draft_q is None else self.draft_q(len(num_nodes), candidates, num_nodes)
         if sampling_metadata.all_greedy:
             return verify(candidates, parents, logits, method="greedy", num_nodes=num_nodes)
-        return verify(candidates, parents, self._target_probs(logits, num_nodes, sampling_metadata, min_p_of(params)),
-                      method="coupled", num_nodes=num_nodes, uniforms=self._uniforms(params, candidates.shape[1] + 1))
+        p = self._target_probs(logits, num_nodes, sampling_metadata, min_p_of(params))
+        u = self._uniforms(params, candidates.shape[1] + 1)
+        if not drawn:
+            return verify(candidates, parents, p, method="coupled", num_nodes=num_nodes, uniforms=u)
+        rows = sorted(drawn)
+        rest = [b for b in range(len(num_nodes)) if b not in drawn]
+        q = torch.cat([torch.cat([drawn[b].to(p), p.new_zeros(1, p.shape[-1])]) for b in rows])  # leaves: zeros
+        parts = [(rows, verify(candidates[rows], parents[rows], _flat_rows(p, num_nodes, rows), q,
+                               method="rejection", num_nodes=num_nodes[rows], uniforms=u[rows]))]
+        if rest:
+            parts.append((rest, verify(candidates[rest], parents[rest], _flat_rows(p, num_nodes, rest),
+                                       method="coupled", num_nodes=num_nodes[rest], uniforms=u[rest])))
+        return _stitched(len(num_nodes), parts)
 
     def _uniforms(self, params, width: int) -> torch.Tensor:
         """Float [B, width], column d the draw for each request's token d places past its

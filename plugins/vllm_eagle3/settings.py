@@ -16,7 +16,9 @@ environment variable SPECPLUG_STAGE ("chain" or "tree") overrides it. Hybrid dra
 object) overriding it, or `"drafter": NAME` / `{"name": NAME, fields}` for any
 registered token drafter, SPECPLUG_DRAFTER overriding both
 (specplug.common.token_drafters.drafter_choice). `"calibrate": true` ranks hybrid
-candidates on measured acceptance (SPECPLUG_CALIBRATE overrides).
+candidates on measured acceptance (SPECPLUG_CALIBRATE overrides); `"draft_temperature": T`
+draws sampled requests' chains from the head's q at T, verified with q
+(SPECPLUG_DRAFT_TEMPERATURE overrides).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from specplug.common.policy.adaptive import ENV_ADAPTIVE as ENV_ADAPTIVE_OVERRIDE
+from specplug.common.drafting.sampled import ENV_DRAFT_TEMPERATURE, draft_temperature
 from specplug.common.policy.adaptive import adaptive_flag, section_flag
 from specplug.common.policy.calibration import ENV_CALIBRATE
 from specplug.common.token_drafters import DrafterChoice, check_choice, drafter_choice
@@ -58,6 +61,10 @@ class AdapterSettings:
     calibrate: hybrid drafting ranks the head's and the token drafter's nodes on the
       acceptance measured for each source in this engine
       (specplug.common.policy.calibration), not on their own scores; stage "chain".
+    draft_temperature: sampled drafts: a request that samples (T > 0, no seed) gets a
+      chain drawn from the head's q = softmax(draft log-probs / draft_temperature),
+      verified with q (rejection sampling, lossless); None = argmax drafts for all.
+      Stage "chain" only.
     """
 
     tree: TreeConfig = TreeConfig()
@@ -66,6 +73,7 @@ class AdapterSettings:
     adaptive: bool = False
     drafter: DrafterChoice | None = None
     calibrate: bool = False
+    draft_temperature: float | None = None
 
     def __post_init__(self):
         if self.verification != "lossless":
@@ -73,6 +81,10 @@ class AdapterSettings:
                 f"specplug verification {self.verification!r} is not supported by the vLLM adapter: "
                 "it verifies losslessly only; set \"verification\": \"lossless\" in the head's config.json"
             )
+        if self.draft_temperature is not None and self.stage != "chain":
+            raise ValueError(f"specplug \"draft_temperature\" (sampled drafts) needs stage \"chain\", the head says "
+                             f"stage {self.stage!r}: drop \"draft_temperature\" (or unset {ENV_DRAFT_TEMPERATURE}), "
+                             f"or use stage \"chain\"")
         if self.stage not in STAGES:
             raise ValueError(f"specplug stage must be one of {STAGES}, got {self.stage!r}: set \"stage\" in the "
                              f"head's specplug section or {ENV_STAGE_OVERRIDE} to \"chain\" or \"tree\"")
@@ -124,6 +136,7 @@ def adapter_settings(section: Mapping[str, Any], environ: Mapping[str, str] = os
         adaptive=adaptive_flag(section, environ),
         drafter=drafter,
         calibrate=section_flag(section, "calibrate", environ, ENV_CALIBRATE, "calibrated hybrid scores"),
+        draft_temperature=draft_temperature(section, environ),
     )
 
 

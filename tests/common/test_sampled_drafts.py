@@ -110,3 +110,27 @@ def test_sampled_drafts_settings_are_checked():
     with pytest.raises(ValueError, match="vocab_size"):
         tree_lib.sampled(lambda f: None, torch.tensor([0]), torch.ones(1, 2) / 2, depth=1, width=1,
                          token_map=torch.tensor([3, 4]))
+
+
+def test_medusa_sampled_drafts_draw_each_depth_from_its_head():
+    """MedusaDrafter.draft_sampled: `width` chains of min(depth, heads) nodes; every node at
+    depth d carries head d-1's q at the draft temperature whatever its parent (a Medusa
+    head sees no drafted token), so tree.sampled's proof (above) covers it."""
+    from specplug.common.drafters import MedusaDrafter, SampledDrafts
+    from specplug.common.heads.medusa import MedusaConfig, MedusaHeads
+    from specplug.common.tree import TreeConfig
+
+    torch.manual_seed(0)
+    heads = MedusaHeads(MedusaConfig(medusa_num_heads=3, medusa_num_layers=1, hidden_size=16, vocab_size=50))
+    drafter = MedusaDrafter(heads)
+    hidden = torch.randn(2, 1, 16)
+    drafter.prefill(["a", "b"], [None, None], hidden, torch.tensor([7, 8]))
+    trees = drafter.draft_sampled(["a", "b"], TreeConfig(depth=5, topk=2, budget=10), SampledDrafts(0.5))
+    assert trees.candidates.shape == (2, 1 + 2 * 3) and trees.candidates[:, 0].tolist() == [7, 8]
+    q = (heads(hidden)[:, :, 0].float() / 0.5).softmax(-1)  # [K, B, V]
+    depths = tree_lib.tree_depths(trees.parents)  # [B, N]
+    for b in range(2):
+        for j in range(trees.candidates.shape[1]):
+            d = int(depths[b, j])
+            expected = q[d, b] if d < 3 else torch.zeros(50)  # q of node j's children; leaves draw none
+            torch.testing.assert_close(trees.draft_probs[b, j], expected)

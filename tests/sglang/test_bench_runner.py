@@ -8,7 +8,8 @@ from specplug.sglang_medusa.bench_runner import TYPICAL, SglangRunner, engine_ar
 
 def test_methods_and_their_speculative_arguments(sgl_model, medusa_heads):
     runner = SglangRunner(str(sgl_model), str(medusa_heads), max_new_tokens=8, temperature=0.0, seed=0, max_batch=4)
-    assert runner.methods() == ["none", "ngram", "retrieval", "medusa", "medusa-typical", "medusa-adaptive"]
+    assert runner.methods() == ["none", "ngram", "retrieval", "medusa", "medusa-typical", "medusa-adaptive",
+                                "medusa-sampled"]
     assert runner.speculative_args("none") == {}
     assert runner.speculative_args("ngram")["speculative_algorithm"] == "NGRAM"
     assert runner.speculative_args("retrieval") == {"speculative_algorithm": "RETRIEVAL"}
@@ -16,6 +17,9 @@ def test_methods_and_their_speculative_arguments(sgl_model, medusa_heads):
     assert medusa == {"speculative_algorithm": "MEDUSA", "speculative_draft_model_path": str(medusa_heads)}
     assert runner.speculative_args("medusa-typical") == {**medusa, **TYPICAL}
     assert runner.speculative_args("medusa-adaptive") == {**medusa, "speculative_adaptive": True}
+    assert runner.speculative_args("medusa-sampled") == medusa
+    with pytest.raises(SystemExit, match="'medusa-sampled' draws drafts at the run's temperature"):
+        runner.environment("medusa-sampled")
     adaptive = SglangRunner(str(sgl_model), str(medusa_heads), max_new_tokens=8, temperature=0.0, seed=0,
                             max_batch=4, adaptive=True)
     assert adaptive.speculative_args("medusa") == {**medusa, "speculative_adaptive": True}

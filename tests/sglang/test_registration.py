@@ -55,6 +55,19 @@ def test_settings_come_from_the_heads_section_then_arguments(medusa_heads, monke
     assert s.choices == ((0,), (1,), (0, 0)) and s.num_nodes == 4
 
 
+def test_medusa_draft_temperature(medusa_heads, monkeypatch):
+    """Sampled drafts: SPECPLUG_DRAFT_TEMPERATURE (or the section's "draft_temperature");
+    refused with typical acceptance, which never reads q."""
+    assert _settings(speculative_draft_model_path=str(medusa_heads)).draft_temperature is None
+    monkeypatch.setenv("SPECPLUG_DRAFT_TEMPERATURE", "0.7")
+    assert _settings(speculative_draft_model_path=str(medusa_heads)).draft_temperature == 0.7
+    with pytest.raises(ValueError, match="MEDUSA: draft_temperature .* typical acceptance never reads q"):
+        _settings(speculative_draft_model_path=str(medusa_heads), speculative_accept_threshold_single=0.2)
+    monkeypatch.setenv("SPECPLUG_DRAFT_TEMPERATURE", "hot")
+    with pytest.raises(ValueError, match="MEDUSA: SPECPLUG_DRAFT_TEMPERATURE must be a temperature > 0"):
+        _settings(speculative_draft_model_path=str(medusa_heads))
+
+
 @pytest.mark.parametrize("kwargs, message", [
     ({}, "--speculative-draft-model-path"),
     ({"speculative_num_steps": 9}, "at most the number of Medusa heads"),
@@ -133,7 +146,7 @@ def test_eagle3_settings_come_from_the_heads_section_then_arguments(eagle3_head)
 
 def test_sampled_trees_fit_the_node_budget():
     from specplug.common.tree import TreeConfig
-    from specplug.sglang_medusa.eagle_worker import sampled_tree
+    from specplug.common.drafting.sampled import sampled_tree
 
     for depth, budget in ((4, 15), (6, 4), (3, 3), (1, 1)):
         tree = sampled_tree(TreeConfig(depth=depth, topk=2, budget=budget))

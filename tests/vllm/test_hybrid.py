@@ -99,6 +99,18 @@ def test_calibrated_hybrid_learns_and_stays_lossless(engine, target):
     assert (verified > 0).all()
 
 
+def test_draft_temperature_setting():
+    from specplug.vllm_eagle3.settings import adapter_settings
+
+    assert adapter_settings({}).draft_temperature is None
+    assert adapter_settings({"draft_temperature": 0.7}).draft_temperature == 0.7
+    assert adapter_settings({"draft_temperature": 0.7}, {"SPECPLUG_DRAFT_TEMPERATURE": "0"}).draft_temperature is None
+    with pytest.raises(ValueError, match="SPECPLUG_DRAFT_TEMPERATURE must be a temperature > 0"):
+        adapter_settings({}, {"SPECPLUG_DRAFT_TEMPERATURE": "-1"})
+    with pytest.raises(ValueError, match="needs stage \"chain\""):
+        adapter_settings({"stage": "tree", "draft_temperature": 0.7})
+
+
 def test_calibrate_flag():
     from specplug.vllm_eagle3.settings import adapter_settings
 

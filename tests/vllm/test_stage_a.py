@@ -11,7 +11,7 @@ import pytest
 pytest.importorskip("vllm", reason="needs the vLLM environment: bash scripts/test.sh vllm")
 
 from specplug.vllm_eagle3.metrics import stats_from_outputs
-from tests.vllm.conftest import NUM_SPEC_TOKENS, PROMPTS, drafter_of
+from tests.vllm.conftest import NUM_SPEC_TOKENS, PROMPTS, SPECPLUG_CHAIN as SPECPLUG_CHAIN_SECTION, drafter_of
 from tests.support.tiny_eagle3 import AGREE_TOKEN, CONSTANT_TARGET_LOGITS
 
 pytestmark = pytest.mark.vllm
@@ -127,6 +127,44 @@ def test_sampled_tokens_keep_the_target_distribution(engine, constant_target, ag
     assert _same_distribution(_bins(spec), _bins(plain))
     always_accepted = [[AGREE_TOKEN] * NUM_TOKENS for _ in range(NUM_REQUESTS)]  # negative control
     assert not _same_distribution(_bins(always_accepted), _bins(plain))
+
+
+def test_drafts_drawn_from_q_are_verified_with_q_and_keep_the_distribution(engine, constant_target):
+    """"draft_temperature": unseeded sampled requests get chains drawn from the head's q
+    (two tokens, near uniform at a hot draft temperature) and the sampler verifies them
+    with q (Leviathan), which accepts sum min(p, q) of first drafts where the target-only
+    rule accepts sum q p <= max p: the tokens
+    keep the target's distribution (chi-square homogeneity against vLLM without
+    speculation, unseeded on both sides), acceptance is above the target-only rule's
+    bound for these drafts, and a greedy request beside them still gets argmax drafts."""
+    from tests.support.tiny_eagle3 import TWO_DRAFT_TOKENS, two_token_head_dir
+
+    # a hot draft temperature: q close to uniform over the two tokens
+    head = two_token_head_dir(constant_target, specplug={**SPECPLUG_CHAIN_SECTION, "draft_temperature": 10.0})
+    llm = engine(constant_target, head)
+    drafter = drafter_of(llm)
+    drawn, draw = [], drafter._drawn_chains
+
+    def counting(roots, req_ids, depth):
+        drawn.append(len(req_ids))
+        return draw(roots, req_ids, depth)
+
+    drafter._drawn_chains = counting
+    try:
+        sampling = params(max_tokens=NUM_TOKENS, temperature=0.8)
+        prompts = [PROMPTS[s % 8] for s in range(NUM_REQUESTS)]
+        spec, stats = run(llm, prompts, sampling)
+        greedy = run(llm, PROMPTS[:1], params(max_tokens=8, temperature=0.0))[0]
+    finally:
+        del drafter._drawn_chains
+    plain = token_ids(engine(constant_target).generate(prompts, sampling, use_tqdm=False))
+    assert sum(drawn) > 0
+    assert _same_distribution(_bins(spec), _bins(plain))
+    p = _bins(plain)
+    p_two = [p[list(CONSTANT_TARGET_LOGITS).index(t)] / sum(p) for t in TWO_DRAFT_TOKENS]
+    first = stats.accepted_per_position[0] / stats.num_drafts  # q-rule: sum min(p, q); target-only: sum q p <= max p
+    assert first > max(p_two) + 0.1
+    assert greedy == [[AGREE_TOKEN] * 8]
 
 
 def test_penalties_are_verified_by_specplug_and_stay_exact(engine, target, specplug_head):

@@ -3,12 +3,36 @@ distribution q instead of top-k, carrying q per node for lossless rejection samp
 
 from __future__ import annotations
 
-from typing import Hashable
+from typing import Hashable, Mapping
 
 import torch
 
 from .. import tree as tree_lib
 from ..tree import TreeBatch, TreeConfig
+
+
+ENV_DRAFT_TEMPERATURE = "SPECPLUG_DRAFT_TEMPERATURE"  # overrides a head section's "draft_temperature"
+
+
+def draft_temperature(section: Mapping, environ: Mapping[str, str]) -> float | None:
+    """The temperature sampled drafts are drawn at, or None (top-k trees): the environment's
+    SPECPLUG_DRAFT_TEMPERATURE (empty or 0: off), else the head section's
+    "draft_temperature". ValueError names where a bad value came from."""
+    text = environ.get(ENV_DRAFT_TEMPERATURE)
+    where = ENV_DRAFT_TEMPERATURE if text is not None else "specplug.draft_temperature in the head's config.json"
+    value = text.strip() if text is not None else section.get("draft_temperature")
+    if value in (None, ""):
+        return None
+    try:
+        temperature = float(value)
+    except (TypeError, ValueError):
+        temperature = float("nan")
+    if temperature == 0:
+        return None
+    if not temperature > 0:
+        raise ValueError(f"{where} must be a temperature > 0 (or 0 / unset: top-k trees), got {value!r}: "
+                         "fix or unset it")
+    return temperature
 
 
 class SampledDrafts:
@@ -52,3 +76,10 @@ class SampledDrafts:
                                 depth=tree.depth, width=tree.topk,
                                 generators=[self.generators.get(rid) for rid in request_ids],
                                 token_map=token_map, vocab_size=vocab_size)
+
+
+def sampled_tree(tree: TreeConfig) -> TreeConfig:
+    """The sampled-draft shape within `tree`'s budget: width chains of depth, width * depth
+    <= budget (a sampled tree has 1 + width * depth nodes)."""
+    depth = min(tree.depth, tree.budget)
+    return TreeConfig(depth, max(1, tree.budget // depth), tree.budget)
