@@ -140,30 +140,6 @@ class Eagle3Drafter:
             raise ValueError(f"requests {missing} have no draft state: call prefill() for them first")
         return self.drafting.trees([self.roots[rid] for rid in request_ids], tree, self.sampled, request_ids)
 
-    @torch.no_grad()
-    def draft_sampled(self, request_ids, tree: TreeConfig, sampled) -> TreeBatch:
-        """`tree.topk` chains of min(tree.depth, heads) tokens sharing the root, drawn from
-        the heads' q (`sampled`: an on SampledDrafts), with TreeBatch.draft_probs = q per
-        node. A Medusa head sees no drafted token, so every node at depth d is drawn from
-        head d-1's q whatever its parent: verified with that q, lossless."""
-        logprobs = self._head_logits(request_ids).float().log_softmax(-1)  # [K, B, V]
-        depth = min(tree.depth, self.heads.num_heads)
-
-        def expand(front):  # the next depth's head for every frontier node: [B, F, V]
-            return logprobs[front.depth][:, None].expand(-1, front.tokens.shape[1], -1)
-
-        roots = torch.tensor([self.root_tokens[rid] for rid in request_ids], device=logprobs.device)
-        return sampled.draft(expand, roots, logprobs[0], TreeConfig(depth, tree.topk, depth * tree.topk),
-                             request_ids)
-
-    def _head_logits(self, request_ids) -> torch.Tensor:
-        """Every head's logits for each request's last hidden state, [K, B, V]."""
-        missing = [rid for rid in request_ids if rid not in self.hidden]
-        if missing:
-            raise ValueError(f"requests {missing} have no Medusa state: call prefill() for them first")
-        hidden = torch.stack([self.hidden[rid] for rid in request_ids])[:, None]  # [B, 1, H]
-        return self.heads(hidden)[:, :, 0]
-
     def draft_chain(self, request_ids, k: int) -> TreeBatch:
         """A greedy chain of k draft tokens (a dynamic tree with topk 1)."""
         return self.draft(request_ids, TreeConfig(depth=k, topk=1, budget=k))
