@@ -33,6 +33,7 @@ ENV_CALIBRATE = "SPECPLUG_CALIBRATE"  # "1"/"0": overrides a head section's "cal
 # bin edges over a node's own score (probability that its whole path is accepted)
 EDGES = torch.tensor([0.0, 0.02, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0], dtype=torch.float64)
 CENTRES = (EDGES[1:] + EDGES[:-1]) / 2
+KNOTS = torch.cat([EDGES[:1], CENTRES, EDGES[-1:]])  # where the map is interpolated: 0, centres, 1
 
 
 def monotone(rates: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -71,11 +72,10 @@ class Calibration:
     def apply(self, source: str, trees: TreeBatch) -> TreeBatch:
         """`trees` with calibrated log scores; column 0 (each root) stays 0, padding -inf."""
         p = trees.scores.double().exp().clamp(0.0, 1.0)  # [B, N]
-        x = torch.cat([EDGES[:1], CENTRES, EDGES[-1:]])
         rates = self.rates(source)
-        y = torch.cat([torch.zeros(1, dtype=rates.dtype), rates, rates[-1:]])
-        i = torch.searchsorted(x, p.contiguous(), right=True).clamp(1, len(x) - 1)  # [B, N] right knot
-        t = (p - x[i - 1]) / (x[i] - x[i - 1])
+        y = torch.cat([torch.zeros(1, dtype=rates.dtype), rates, rates[-1:]])  # at KNOTS
+        i = torch.searchsorted(KNOTS, p.contiguous(), right=True).clamp(1, len(KNOTS) - 1)  # [B, N] right knot
+        t = (p - KNOTS[i - 1]) / (KNOTS[i] - KNOTS[i - 1])
         value = y[i - 1] + t * (y[i] - y[i - 1]) + 1e-6 * p  # strictly increasing where p is
         scores = value.log().to(trees.scores.dtype)
         scores[:, 0] = 0.0

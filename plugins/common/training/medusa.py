@@ -144,20 +144,26 @@ def load_compact(folder: str | Path) -> MedusaHeads:
     from safetensors.torch import load_file
 
     folder = Path(folder)
-    heads = MedusaHeads(MedusaConfig.from_dict(json.loads((folder / "config.json").read_text())))
     blocks = {k: v.float() for k, v in load_file(str(folder / RESBLOCKS_FILE)).items()}
-    missing = [k for k in heads.load_state_dict(blocks, strict=False).missing_keys if ".linear." in k]
+    heads, missing = heads_with_blocks(json.loads((folder / "config.json").read_text()), blocks)
+    missing = [k for k in missing if ".linear." in k]
     if missing:
         raise ValueError(f"{folder / RESBLOCKS_FILE} lacks residual blocks {missing} that its config.json calls "
                          "for: rewrite the folder with `specplug train medusa` or keep the full head")
     return heads
 
 
+def heads_with_blocks(config: dict, blocks: dict[str, torch.Tensor]) -> tuple[MedusaHeads, list[str]]:
+    """Heads built from a config dict with `blocks` loaded into them, and the names of the
+    heads' tensors `blocks` did not hold (the vocab projections always among them)."""
+    heads = MedusaHeads(MedusaConfig.from_dict(config))
+    return heads, heads.load_state_dict(blocks, strict=False).missing_keys
+
+
 def load_checkpoint(ckpt: Path, target, cfg: TrainConfig):
     state, tensors, config = read_checkpoint_state(ckpt)
-    heads = MedusaHeads(MedusaConfig.from_dict(config))
+    heads, missing = heads_with_blocks(config, tensors)
     tie_to_target(heads, target)
-    missing = heads.load_state_dict(tensors, strict=False).missing_keys
     if any(".linear." in k for k in missing):
         raise ValueError(f"checkpoint {ckpt} lacks residual blocks {missing}: it was written for other settings")
     logger.info("resuming Medusa training at step %d", state["step"])
