@@ -83,6 +83,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "`specplug draft-model cut`): adds the methods draft-model (SGLang: specplug's "
                              "DRAFT_MODEL), draft_model (vLLM's built-in) and specplug-draft-model (vLLM: the head's "
                              "tree merged with the draft model's)")
+    parser.add_argument("--medusa-head", default=None, metavar="DIR",
+                        help="vLLM: Medusa heads in any format specplug reads ('testbed' = the committed "
+                             "heads/smollm2-medusa), converted to vLLM's for the run: adds the methods medusa "
+                             "(vLLM's own top-1 chain), specplug-medusa (stage chain) and specplug-medusa-tree "
+                             "(the Medusa tree verified in one pass). SGLang takes Medusa heads as --head")
     parser.add_argument("--self-spec-layers", default=None, metavar="LAYERS",
                         help="the target's own layers to self-speculate with, e.g. 0-7 (specplug's \"self_spec\" "
                              "drafter, on the weights the engine loaded): adds the methods self-spec (SGLang: "

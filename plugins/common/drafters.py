@@ -198,14 +198,24 @@ class MedusaDrafter:
 
     @torch.no_grad()
     def draft(self, request_ids, tree: TreeConfig = TreeConfig()) -> TreeBatch:
+        logits = self._head_logits(request_ids)  # [K, B, V]
+        roots = torch.tensor([self.root_tokens[rid] for rid in request_ids], device=logits.device)
+        return self._fill(logits, roots, tree)
+
+    @torch.no_grad()
+    def draft_from(self, hidden: torch.Tensor, roots: torch.Tensor, tree: TreeConfig = TreeConfig()) -> TreeBatch:
+        """Stateless drafting for engines that hand the heads' input every step: the trees
+        for hidden Float [B, H] (each request's last target hidden state) under roots Long [B]."""
+        return self._fill(self.heads(hidden[:, None])[:, :, 0], roots, tree)
+
+    def _fill(self, logits: torch.Tensor, roots: torch.Tensor, tree: TreeConfig) -> TreeBatch:
+        """The static tree for `tree` filled with each head's top-k of logits [K, B, V]."""
         template = self.template(tree)
         topk = int(template.tokens.max()) + 1
-        logits = self._head_logits(request_ids)  # [K, B, V]
         head_tokens = logits.topk(topk, dim=-1).indices.transpose(0, 1)  # [B, K, topk]
-        roots = torch.tensor([self.root_tokens[rid] for rid in request_ids], device=head_tokens.device)
-        candidates = tree_lib.fill_static(template, roots, head_tokens)  # [B, N]
+        candidates = tree_lib.fill_static(template, roots.to(head_tokens.device), head_tokens)  # [B, N]
         parents = template.parents.to(candidates.device).expand_as(candidates).clone()
-        num_nodes = torch.full((len(request_ids),), template.num_nodes, dtype=torch.long, device=candidates.device)
+        num_nodes = torch.full((candidates.shape[0],), template.num_nodes, dtype=torch.long, device=candidates.device)
         return TreeBatch(candidates, parents, num_nodes)
 
     @torch.no_grad()

@@ -1,8 +1,9 @@
 """vLLM adapter: EAGLE-3 with dynamic draft trees (entry point `vllm.general_plugins`).
 
 `register()` runs in every vLLM process. It replaces the V1 model runner's
-`EagleProposer` with `SpecplugEagleProposer`, which behaves exactly like vLLM's for heads
-without a `specplug` section in config.json and drafts specplug trees for heads with
+`EagleProposer` with `SpecplugEagleProposer` and its `MedusaProposer` with
+`SpecplugMedusaProposer` (medusa_proposer.py), which behave exactly like vLLM's for heads
+without a `specplug` section in config.json and draft specplug trees for heads with
 one. Model Runner V2 (the GPU default) is refused for specplug heads with a clear error.
 On vLLM-CPU it also overrides the CPU_ATTN attention backend with a subclass that adds
 ancestor masks for stage-"tree" steps (tree_attention.py; other steps run vLLM's kernel).
@@ -40,18 +41,21 @@ def register() -> None:
     _log_like_vllm()
     from vllm.v1.worker import gpu_model_runner
 
+    from specplug.vllm_eagle3.medusa_proposer import SpecplugMedusaProposer, attach_to_runners
     from specplug.vllm_eagle3.proposer import SpecplugEagleProposer
 
     gpu_model_runner.EagleProposer = SpecplugEagleProposer
+    gpu_model_runner.MedusaProposer = SpecplugMedusaProposer
+    attach_to_runners(gpu_model_runner.GPUModelRunner)
     _refuse_model_runner_v2()
     _accept_min_p_and_logit_bias()
     tree_attention = _override_cpu_attention()
     _fix_cpu_engine(gpu_model_runner.GPUModelRunner)
     _registered = True
     logger.info(
-        "specplug %s registered: vllm.v1.worker.gpu_model_runner.EagleProposer replaced by "
-        "SpecplugEagleProposer (specplug trees for heads whose config.json has a 'specplug' "
-        "section; vLLM's own EAGLE path otherwise)%s", _version(),
+        "specplug %s registered: vllm.v1.worker.gpu_model_runner.EagleProposer and MedusaProposer "
+        "replaced by SpecplugEagleProposer and SpecplugMedusaProposer (specplug trees for heads whose "
+        "config.json has a 'specplug' section; vLLM's own EAGLE and Medusa paths otherwise)%s", _version(),
         "; attention backend CPU_ATTN overridden by TreeCPUAttentionBackend (vLLM's kernel, plus "
         "ancestor masks in stage-tree steps only)" if tree_attention else "",
     )

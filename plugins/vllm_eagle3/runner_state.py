@@ -89,6 +89,21 @@ class RunnerState:
         runner._prepare_inputs = _prepare_inputs
         runner._build_attention_metadata = _build_attention_metadata
 
+    def wrap_sample_hidden(self, reorder: Callable) -> None:
+        """Before the runner's `propose_draft_token_ids`, its sample_hidden_states become
+        reorder(hidden_states, sample_hidden_states, spec_decode_metadata) (vLLM's Medusa
+        branch reads the drafter's input from them). Instance attribute, as above."""
+        runner = self.runner
+        propose = runner.propose_draft_token_ids
+
+        def propose_draft_token_ids(scheduler_output, sampled_token_ids, sampling_metadata, hidden_states,
+                                    sample_hidden_states, aux_hidden_states, spec_decode_metadata, *rest):
+            sample_hidden_states = reorder(hidden_states, sample_hidden_states, spec_decode_metadata)
+            return propose(scheduler_output, sampled_token_ids, sampling_metadata, hidden_states,
+                           sample_hidden_states, aux_hidden_states, spec_decode_metadata, *rest)
+
+        runner.propose_draft_token_ids = propose_draft_token_ids
+
     def replace_rejection_sampler(self, make: Callable) -> None:
         """runner.rejection_sampler = make(the runner's own rejection sampler)."""
         self.runner.rejection_sampler = make(self.runner.rejection_sampler)

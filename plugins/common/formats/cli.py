@@ -9,6 +9,8 @@ import argparse
 import json
 import logging
 import sys
+import tempfile
+from pathlib import Path
 
 from specplug.common.formats import FORMATS, convert
 
@@ -27,6 +29,9 @@ formats (auto-detected on input; --to picks the output):
   vllm-medusa   vLLM MedusaModel (blocks.{i}.layers.{j}, lm_heads.{i}, num_heads,
                 truncated_vocab_size, optional token_map).
 
+A compact Medusa folder (config.json + medusa_resblocks.safetensors, how specplug
+commits heads: the vocab projections are the target's lm_head) is read with --target.
+
 eagle3 <-> speculators and medusa <-> vllm-medusa convert bit-exactly (tensor bytes
 unchanged), and so does eagle1 -> eagle1; heads of different methods never convert.
 What the destination cannot carry is printed as "dropped"; what had to be assumed as
@@ -36,6 +41,7 @@ torch.load(weights_only=True). See docs/formats.md.
 examples:
   specplug convert ./eagle3-head ./head-speculators --to speculators --target ./target-model
   specplug convert ./medusa-head ./head-vllm --to vllm-medusa --json
+  specplug convert heads/smollm2-medusa ./head-vllm --to vllm-medusa --target ./smollm2  # compact form
   specplug convert ./EAGLE-LLaMA3-Instruct-8B ./eagle1-head --to eagle1 --target ./llama3-8b
 """
 
@@ -71,11 +77,29 @@ def _print_summary(summary: dict) -> None:
         print("dropped: nothing")
 
 
+def _full_source(src: str, target: str | None, scratch: str) -> str:
+    """SRC, or for a compact Medusa folder (residual blocks only, the vocab projections are
+    the target's lm_head: how specplug commits heads) its FasterDecoding form rebuilt in
+    `scratch` from --target."""
+    from specplug.common.training import medusa
+
+    if not medusa.is_compact(src):
+        return src
+    if target is None:
+        raise ValueError(f"{src} is a compact Medusa folder ({medusa.RESBLOCKS_FILE}: residual blocks only, the "
+                         "vocab projections are the target's lm_head): pass --target MODEL_DIR, the target it was "
+                         "trained for")
+    return str(medusa.materialise(src, target, Path(scratch) / "full"))
+
+
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO if not args.json else logging.ERROR,
                         format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     try:
-        summary = convert(args.src, args.dst, args.to, target_config=args.target, overwrite=args.overwrite)
+        with tempfile.TemporaryDirectory(prefix="specplug-convert-") as scratch:
+            src = _full_source(args.src, args.target, scratch)
+            summary = convert(src, args.dst, args.to, target_config=args.target, overwrite=args.overwrite)
+            summary["source"] = str(args.src)
     except ValueError as exc:  # CheckpointError (bad checkpoint) or a bad --to for this head
         if args.json:
             print(json.dumps({"error": str(exc), "field": getattr(exc, "field", None),

@@ -1,0 +1,194 @@
+"""The specplug Medusa proposer for vLLM's V1 model runner (method "medusa").
+
+`SpecplugMedusaProposer` replaces vLLM's `MedusaProposer` (register(), under the version
+guard). Heads without a `specplug` section in config.json run vLLM's own Medusa path (a
+top-1 chain, vLLM's rejection sampler). With a section, drafting is the core's
+`MedusaDrafter` (specplug.common.drafters) run on the heads vLLM loaded
+(`LoadedMedusaHeads`, the seam), and every request is verified by specplug's sampler:
+
+- stage "chain": the heads' top-1 chain, num_speculative_tokens <= number of heads;
+- stage "tree": the Medusa tree (the section's `choices`, else the optimal sparse tree of
+  `tree.budget` nodes for its `head_accuracies`) handed to vLLM as its draft tokens and
+  verified in one target pass by tree_verify.TreeVerifier, exactly as EAGLE trees are;
+  num_speculative_tokens = the tree's non-root nodes. Requests that need a chain
+  (sampler.needs_chain) get the top-1 chain padded to that length.
+
+vLLM hands the Medusa proposer the final hidden state at each request's last accepted
+row, computed as if the drafts were a chain; in stage "tree" the runner's
+sample_hidden_states are put in accepted-path order first
+(TreeVerifier.committed_samples through RunnerState.wrap_sample_hidden). vLLM's
+runner builds MedusaProposer without itself, so register() hands the runner over after
+it is built (`attach_to_runners`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import torch
+from vllm.v1.spec_decode.medusa import MedusaProposer
+
+from specplug.common.drafters import MedusaDrafter
+from specplug.common.path_choice import pad_chains
+from specplug.common.tree import TreeConfig
+from specplug.vllm_eagle3.runner_state import RunnerState
+from specplug.vllm_eagle3.sampler import SpecplugChainSampler, needs_chain
+from specplug.vllm_eagle3.settings import AdapterSettings, adapter_settings, check_head_matches_target, specplug_section
+
+logger = logging.getLogger(__name__)
+
+
+class LoadedMedusaHeads:
+    """The core's Medusa heads seam on vLLM's loaded `Medusa` model: hidden [B, 1, H] ->
+    logits [K, B, 1, V] (what specplug.common.heads.medusa.MedusaHeads returns)."""
+
+    def __init__(self, num_heads: int):
+        self.num_heads = num_heads
+        self.model = None  # vLLM's Medusa module, bound by the proposer's load_model
+
+    def eval(self) -> "LoadedMedusaHeads":
+        return self
+
+    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
+        flat = hidden[:, 0]  # [B, H]
+        return torch.stack(self.model.compute_logits(self.model(flat)))[:, :, None]  # [K, B, 1, V]
+
+
+def medusa_settings(section: dict) -> AdapterSettings:
+    """AdapterSettings of a Medusa head's section; ValueError for what Medusa heads in vLLM
+    do not offer (adaptive, hybrid drafting, sampled drafts), naming the key to drop."""
+    settings = adapter_settings(section)
+    unsupported = {"adaptive": settings.adaptive, "drafter / retrieval": settings.drafter is not None,
+                   "draft_temperature": settings.draft_temperature is not None}
+    for key, on in unsupported.items():
+        if on:
+            raise ValueError(f"specplug Medusa heads in vLLM do not support {key!r} (stages \"chain\" and "
+                             f"\"tree\" only): drop it from the head's specplug section (or its SPECPLUG_* "
+                             "variable), or serve the heads in SGLang (--speculative-algorithm MEDUSA)")
+    return settings
+
+
+def heads_in_checkpoint(head_dir: str) -> int:
+    """The number of heads the checkpoint holds (vLLM sets the config's num_heads to
+    num_speculative_tokens, which for a tree is its node count)."""
+    config = json.loads((Path(head_dir) / "config.json").read_text())
+    return int(config.get("num_heads", config.get("medusa_num_heads", 0)))
+
+
+def medusa_drafter(section: dict, num_heads: int) -> MedusaDrafter:
+    """The core's drafter for a head's section, its heads to be bound to vLLM's module."""
+    return MedusaDrafter(LoadedMedusaHeads(num_heads), choices=section.get("choices"),
+                         head_accuracies=section.get("head_accuracies"))
+
+
+def tree_nodes(head_dir: str) -> int:
+    """The Medusa tree's non-root nodes for this head's section: vLLM's
+    num_speculative_tokens in stage "tree"."""
+    section = json.loads((Path(head_dir) / "config.json").read_text()).get("specplug") or {}
+    drafter = medusa_drafter(section, heads_in_checkpoint(head_dir))
+    return drafter.template(medusa_settings(section).tree).num_nodes - 1
+
+
+class SpecplugMedusaProposer(MedusaProposer):
+    """vLLM's MedusaProposer, plus specplug's trees and sampler for specplug heads."""
+
+    def __init__(self, vllm_config, device):
+        super().__init__(vllm_config, device)
+        self.state: RunnerState | None = None
+        self.tree_verifier = None
+        draft = self.spec_config.draft_model_config
+        section = specplug_section(draft.hf_config, "medusa")
+        self.specplug: AdapterSettings | None = None
+        if section is None:
+            return
+        check_head_matches_target(draft.model, vllm_config.model_config.hf_text_config, "medusa")
+        self.specplug = medusa_settings(section)
+        self.num_heads = heads_in_checkpoint(draft.model)
+        self.drafting = medusa_drafter(section, self.num_heads)
+        self.tree = self._tree_config(self.num_speculative_tokens)
+        logger.info("specplug Medusa proposer active for heads %s: %d heads, stage %s, %d draft tokens",
+                    draft.model, self.num_heads, self.specplug.stage, self.num_speculative_tokens)
+
+    def _tree_config(self, k: int) -> TreeConfig:
+        """The TreeConfig drafted each step; ValueError when vLLM's K cannot hold it."""
+        if self.specplug.stage == "chain":
+            if k > self.num_heads:
+                raise ValueError(f"specplug Medusa stage \"chain\" drafts one token per head: num_speculative_tokens "
+                                 f"{k} exceeds the {self.num_heads} heads; set \"num_speculative_tokens\": "
+                                 f"{self.num_heads} or fewer")
+            return TreeConfig(depth=k, topk=1, budget=k)
+        nodes = self.drafting.template(self.specplug.tree).num_nodes - 1
+        if k != nodes:
+            raise ValueError(f"specplug Medusa stage \"tree\" verifies its {nodes} tree nodes as vLLM draft tokens, "
+                             f"but num_speculative_tokens is {k}: set \"num_speculative_tokens\": {nodes}")
+        return self.specplug.tree
+
+    def attach(self, runner) -> None:
+        """Called once the runner is built: specplug's sampler in place of its rejection
+        sampler, and in stage "tree" the tree verifier's hooks."""
+        if self.specplug is None:
+            return
+        self.state = RunnerState(runner)
+        if self.specplug.stage == "tree":
+            from specplug.vllm_eagle3.tree_verify import TreeVerifier, check_platform
+            check_platform(self.vllm_config)
+            self.tree_verifier = TreeVerifier(self.state)
+            self.tree_verifier.install()
+            self.state.wrap_sample_hidden(self.tree_verifier.committed_samples)
+        self.state.replace_rejection_sampler(lambda own: SpecplugChainSampler(
+            own, None, self.tree_verifier, self._request_params, self.state.tokens_before_step))
+
+    def load_model(self, target_model) -> None:
+        if self.specplug is not None:  # vLLM set num_heads to num_speculative_tokens: load what the checkpoint holds
+            self.spec_config.draft_model_config.hf_config.num_heads = self.num_heads
+        super().load_model(target_model)
+        if self.specplug is not None:
+            self.drafting.heads.model = self.model
+
+    def propose(self, num_speculative_tokens, target_hidden_states, sampling_metadata, slot_mappings=None):
+        if self.specplug is None:
+            return super().propose(num_speculative_tokens, target_hidden_states, sampling_metadata, slot_mappings)
+        if self.state is None:
+            raise RuntimeError("specplug Medusa proposer was not attached to vLLM's model runner: "
+                               "this vLLM version is not supported")
+        batch = target_hidden_states.shape[0]
+        with torch.inference_mode():
+            roots = torch.zeros(batch, dtype=torch.long)  # vLLM's sampled tokens: the verifier never reads them
+            trees = self.drafting.draft_from(target_hidden_states, roots, self.tree)  # [B, K + 1]
+            if self.tree_verifier is None:
+                return trees.candidates[:, 1:]
+            return self._tree_drafts(trees, self.state.request_ids(batch), target_hidden_states, roots)
+
+    def _tree_drafts(self, trees, req_ids, hidden, roots) -> torch.Tensor:
+        """Every tree node as a draft token, Long [B, K], topology recorded for the verifier;
+        requests that need a chain get the top-1 chain padded to K, recorded as nothing."""
+        drafts = trees.candidates[:, 1:].clone()
+        chained = [b for b, r in enumerate(req_ids) if needs_chain(self.state.sampling_params(r))]
+        if chained:
+            chains = self.drafting.draft_from(hidden[chained], roots[chained],
+                                             TreeConfig(depth=self.num_heads, topk=1, budget=self.num_heads))
+            drafts[chained] = pad_chains(chains, drafts.shape[1])
+        for b, req_id in enumerate(req_ids):
+            if b not in chained:
+                self.tree_verifier.record(req_id, trees.candidates[b], trees.parents[b])
+        return drafts
+
+    def _request_params(self, batch):
+        """SamplingParams of the first `batch` rows of vLLM's input batch (None where unknown)."""
+        return [self.state.sampling_params(r) for r in self.state.request_ids(batch)]
+
+
+def attach_to_runners(runner_cls) -> None:
+    """Wrap runner_cls.__init__ so a SpecplugMedusaProposer drafter is attached to the
+    runner that built it (vLLM constructs MedusaProposer(vllm_config, device) without it)."""
+    init = runner_cls.__init__
+
+    def __init__(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        drafter = getattr(self, "drafter", None)
+        if isinstance(drafter, SpecplugMedusaProposer):
+            drafter.attach(self)
+
+    runner_cls.__init__ = __init__
