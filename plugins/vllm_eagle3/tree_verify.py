@@ -186,7 +186,7 @@ class TreeVerifier:
         """vLLM's sample_hidden_states (hidden [T, H] at the step's logits indices) with each
         tree request's accepted nodes in chain order, so the runner's "last accepted row"
         is the accepted node's (unchanged without a move)."""
-        if self._order is None or spec_metadata is None:
+        if self._order is None:  # set by accept(), in a step that had spec metadata
             return sample_hidden
         (committed,) = self.committed_order(hidden)
         return committed[spec_metadata.logits_indices]
