@@ -12,6 +12,8 @@ are those two with hybrid drafting on; `specplug-hybrid-skip` is `specplug-hybri
 retrieval-only steps (RetrievalConfig.head_skip = HEAD_SKIP) (retrieval candidates merged into the head's tree:
 the section's "retrieval" settings, or the defaults); `specplug-hybrid-calibrated` is
 `specplug-hybrid` ranking the two sources on measured acceptance (`"calibrate": true`);
+`specplug-hybrid-lengthen` is `specplug-hybrid` with retrieval scored as growing matches
+(RetrievalConfig lengthen, prior LENGTHEN_PRIOR, fitted to own-sequence continuations);
 `specplug-sampled` is the head's section with `"draft_temperature"` = --temperature:
 unseeded sampled requests get chains drawn from q, verified with q (use --unseeded). With `--draft-model DIR`: `draft_model`
 (vLLM's built-in draft-model chain, K = DRAFT_MODEL_K) and `specplug-draft-model` (stage
@@ -106,6 +108,7 @@ def staged_head(head: str, stage: str) -> str:
 
 DRAFT_MODEL_K = 4  # draft_model: vLLM's chain length
 HEAD_SKIP = 1.0  # specplug-hybrid-skip: retrieval-only steps when it expects >= 1 accepted token
+LENGTHEN_PRIOR = 1.7  # specplug-hybrid-lengthen: own-sequence continuations of the target's replies (docs/retrieval.md)
 
 
 def hybrid_head(head: str, stage: str, calibrate: bool | None = None, **retrieval) -> str:
@@ -177,7 +180,7 @@ class VllmRunner:
 
     def methods(self) -> list[str]:
         specplug = ["eagle3", "specplug", "specplug-tree", "specplug-adaptive", "specplug-hybrid", "specplug-hybrid-tree",
-                    "specplug-hybrid-skip", "specplug-hybrid-calibrated", "specplug-sampled"]
+                    "specplug-hybrid-skip", "specplug-hybrid-calibrated", "specplug-sampled", "specplug-hybrid-lengthen"]
         drafts = ["draft_model"] + (["specplug-draft-model"] if self.head else []) if self.draft_model else []
         drafts += ["specplug-self-spec"] if self.self_spec_layers and self.head else []
         medusa = ["medusa", "specplug-medusa", "specplug-medusa-tree"] if self.medusa_head else []
@@ -208,6 +211,9 @@ class VllmRunner:
                     "num_speculative_tokens": tree.budget}
         if method == "specplug-hybrid":
             return {"method": "eagle3", "model": hybrid_head(self.head, "chain"), "num_speculative_tokens": tree.depth}
+        if method == "specplug-hybrid-lengthen":
+            head = hybrid_head(self.head, "chain", lengthen=True, prior=LENGTHEN_PRIOR)
+            return {"method": "eagle3", "model": head, "num_speculative_tokens": tree.depth}
         if method == "specplug-hybrid-calibrated":
             head = hybrid_head(self.head, "chain", calibrate=True)
             return {"method": "eagle3", "model": head, "num_speculative_tokens": tree.depth}

@@ -450,3 +450,17 @@ def test_skip_head_needs_every_request_confident():
     assert RetrievalConfig(head_skip=1.0).skip_head(probs[:1])
     with pytest.raises(ValueError, match="head_skip"):
         RetrievalConfig(head_skip=0.0)
+
+
+def test_lengthen_scores_deeper_nodes_as_longer_matches():
+    """A lone occurrence after a 2-token match, prior 4: off, every depth uses prior / 2
+    (1/3, 1/9, 1/27); with lengthen, depth d uses prior / (2 + d - 1) (1/3, 1/7, 1/14),
+    for a chain and inside a branching tree alike."""
+    from specplug.common.retrieval import RetrievalConfig, continuation_tree
+
+    plain, grown = RetrievalConfig(min_prob=0.0), RetrievalConfig(min_prob=0.0, lengthen=True)
+    assert continuation_tree([[5, 6, 7]], 3, plain, match_length=2)[2] == pytest.approx([1 / 3, 1 / 9, 1 / 27])
+    assert continuation_tree([[5, 6, 7]], 3, grown, match_length=2)[2] == pytest.approx([1 / 3, 1 / 7, 1 / 14])
+    tokens, parents, scores = continuation_tree([[5, 6, 7], [5, 6, 7], [8]], 8, grown, match_length=2)
+    assert tokens[:3] == [5, 6, 7] and scores[:3] == pytest.approx([2 / 5, 2 / 5 * 2 / (2 + 4 / 3),
+                                                                    2 / 5 * 2 / (2 + 4 / 3) * 2 / (2 + 1)])

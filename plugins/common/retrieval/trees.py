@@ -24,13 +24,22 @@ class _Node(NamedTuple):
     score: float  # estimated acceptance probability of the path
 
 
+def _prior(config: RetrievalConfig, match_length: int):
+    """d -> the pseudo-count a node at depth d + 1 is scored with: config.prior / match
+    length, or with config.lengthen config.prior / (match length + d) (the path's own d
+    tokens, if accepted, lengthen the match)."""
+    if config.lengthen:
+        return lambda d: config.prior / (match_length + d)
+    return lambda d: config.prior / match_length
+
+
 def _ranked_nodes(continuations: Sequence[Sequence[int]], budget: int, depth: int,
-                  config: RetrievalConfig, prior: float) -> list[_Node]:
+                  config: RetrievalConfig, prior) -> list[_Node]:
     """The ``budget`` best continuation prefixes (at most ``depth`` tokens), best first by
     (score desc, depth, first seen), each with count >= min_count and score >= min_prob.
 
-    score(child) = score(parent) * count(child) / (count(parent) + prior), root: count =
-    all continuations, score 1 (``prior`` = config.prior / match length). Scores fall
+    score(child) = score(parent) * count(child) / (count(parent) + prior(d)), d the
+    parent's depth, root: count = all continuations, score 1 (``prior``: _prior). Scores fall
     along every path, so a parent is always taken before its children. Best-first
     search over the trie: a prefix is split by its next token only once it is taken,
     so the work is bounded by ``budget`` splits.
@@ -50,7 +59,7 @@ def _ranked_nodes(continuations: Sequence[Sequence[int]], budget: int, depth: in
                     by_token.setdefault(item[0][d], []).append(item)
         for token, group in by_token.items():
             child_count = group[0][1] if len(group) == 1 else sum(w for _, w in group)
-            child_score = score * child_count / (count + prior)
+            child_score = score * child_count / (count + prior(d))
             if child_count >= config.min_count and child_score >= config.min_prob:
                 heapq.heappush(heap, (-child_score, d + 1, pushed, token, parent, child_count, group))
                 pushed += 1
@@ -65,12 +74,16 @@ def _ranked_nodes(continuations: Sequence[Sequence[int]], budget: int, depth: in
 
 
 def _chain(continuation: Sequence[int], total: int, budget: int, config: RetrievalConfig,
-           prior: float) -> tuple[list[int], list[int], list[float]]:
+           prior) -> tuple[list[int], list[int], list[float]]:
     """:func:`continuation_tree` when all ``total`` continuations are the same: a chain."""
     if total < config.min_count:
         return [], [], []
-    ratio = total / (total + prior)
-    scores = [s for s in (ratio ** d for d in range(1, min(len(continuation), budget) + 1)) if s >= config.min_prob]
+    scores, score = [], 1.0
+    for d in range(min(len(continuation), budget)):
+        score *= total / (total + prior(d))
+        if score < config.min_prob:
+            break
+        scores.append(score)
     return list(continuation[:len(scores)]), list(range(len(scores))), scores
 
 
@@ -91,7 +104,7 @@ def continuation_tree(continuations: Sequence[Sequence[int]], budget: int,
     """
     if not continuations or budget <= 0:
         return [], [], []
-    prior, first = config.prior / match_length, continuations[0]
+    prior, first = _prior(config, match_length), continuations[0]
     if all(c == first for c in continuations):
         return _chain(first, len(continuations), budget, config, prior)
     ranked = _ranked_nodes(continuations, budget, max(map(len, continuations)), config, prior)
@@ -117,7 +130,7 @@ def best_path(continuations: Sequence[Sequence[int]], k: int, config: RetrievalC
     to the better-ranked path."""
     if not continuations or k <= 0:
         return [], []
-    ranked = _ranked_nodes(continuations, len(continuations) * k, k, config, config.prior / match_length)
+    ranked = _ranked_nodes(continuations, len(continuations) * k, k, config, _prior(config, match_length))
     value = [0.0]  # by rank id, 0 = root
     for node in ranked:
         value.append(value[node.parent] + node.score)
