@@ -200,16 +200,17 @@ class MedusaDrafter:
     def draft(self, request_ids, tree: TreeConfig = TreeConfig()) -> TreeBatch:
         logits = self._head_logits(request_ids)  # [K, B, V]
         roots = torch.tensor([self.root_tokens[rid] for rid in request_ids], device=logits.device)
-        return self._fill(logits, roots, tree)
+        return self.fill(logits, roots, tree)
 
     @torch.no_grad()
-    def draft_from(self, hidden: torch.Tensor, roots: torch.Tensor, tree: TreeConfig = TreeConfig()) -> TreeBatch:
-        """Stateless drafting for engines that hand the heads' input every step: the trees
-        for hidden Float [B, H] (each request's last target hidden state) under roots Long [B]."""
-        return self._fill(self.heads(hidden[:, None])[:, :, 0], roots, tree)
+    def logits_from(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Every head's logits [K, B, V] for hidden Float [B, H] (each request's last target
+        hidden state): the stateless path for engines that hand it over every step."""
+        return self.heads(hidden[:, None])[:, :, 0]
 
-    def _fill(self, logits: torch.Tensor, roots: torch.Tensor, tree: TreeConfig) -> TreeBatch:
-        """The static tree for `tree` filled with each head's top-k of logits [K, B, V]."""
+    def fill(self, logits: torch.Tensor, roots: torch.Tensor, tree: TreeConfig) -> TreeBatch:
+        """The static tree for `tree` under roots Long [B], filled with each head's top-k of
+        logits [K, B, V]."""
         template = self.template(tree)
         topk = int(template.tokens.max()) + 1
         head_tokens = logits.topk(topk, dim=-1).indices.transpose(0, 1)  # [B, K, topk]
@@ -239,8 +240,7 @@ class MedusaDrafter:
         missing = [rid for rid in request_ids if rid not in self.hidden]
         if missing:
             raise ValueError(f"requests {missing} have no Medusa state: call prefill() for them first")
-        hidden = torch.stack([self.hidden[rid] for rid in request_ids])[:, None]  # [B, 1, H]
-        return self.heads(hidden)[:, :, 0]
+        return self.logits_from(torch.stack([self.hidden[rid] for rid in request_ids]))  # hidden [B, H]
 
     def draft_chain(self, request_ids, k: int) -> TreeBatch:
         """Head 0..k-1's top-1 tokens as a chain (k <= number of heads)."""

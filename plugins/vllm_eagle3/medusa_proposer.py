@@ -138,7 +138,7 @@ class SpecplugMedusaProposer(MedusaProposer):
             self.tree_verifier.install()
             self.state.wrap_sample_hidden(self.tree_verifier.committed_samples)
         self.state.replace_rejection_sampler(lambda own: SpecplugChainSampler(
-            own, None, self.tree_verifier, self._request_params, self.state.tokens_before_step))
+            own, None, self.tree_verifier, self.state.request_params, self.state.tokens_before_step))
 
     def load_model(self, target_model) -> None:
         if self.specplug is not None:  # vLLM set num_heads to num_speculative_tokens: load what the checkpoint holds
@@ -156,28 +156,26 @@ class SpecplugMedusaProposer(MedusaProposer):
         batch = target_hidden_states.shape[0]
         with torch.inference_mode():
             roots = torch.zeros(batch, dtype=torch.long)  # vLLM's sampled tokens: the verifier never reads them
-            trees = self.drafting.draft_from(target_hidden_states, roots, self.tree)  # [B, K + 1]
+            logits = self.drafting.logits_from(target_hidden_states)  # [heads, B, V]
+            trees = self.drafting.fill(logits, roots, self.tree)  # [B, K + 1]
             if self.tree_verifier is None:
                 return trees.candidates[:, 1:]
-            return self._tree_drafts(trees, self.state.request_ids(batch), target_hidden_states, roots)
+            return self._tree_drafts(trees, self.state.request_ids(batch), logits, roots)
 
-    def _tree_drafts(self, trees, req_ids, hidden, roots) -> torch.Tensor:
+    def _tree_drafts(self, trees, req_ids, logits, roots) -> torch.Tensor:
         """Every tree node as a draft token, Long [B, K], topology recorded for the verifier;
-        requests that need a chain get the top-1 chain padded to K, recorded as nothing."""
+        requests that need a chain get the top-1 chain of the same logits [heads, B, V]
+        padded to K, recorded as nothing."""
         drafts = trees.candidates[:, 1:].clone()
         chained = [b for b, r in enumerate(req_ids) if needs_chain(self.state.sampling_params(r))]
         if chained:
-            chains = self.drafting.draft_from(hidden[chained], roots[chained],
-                                             TreeConfig(depth=self.num_heads, topk=1, budget=self.num_heads))
+            chains = self.drafting.fill(logits[:, chained], roots[chained],
+                                        TreeConfig(depth=self.num_heads, topk=1, budget=self.num_heads))
             drafts[chained] = pad_chains(chains, drafts.shape[1])
         for b, req_id in enumerate(req_ids):
             if b not in chained:
                 self.tree_verifier.record(req_id, trees.candidates[b], trees.parents[b])
         return drafts
-
-    def _request_params(self, batch):
-        """SamplingParams of the first `batch` rows of vLLM's input batch (None where unknown)."""
-        return [self.state.sampling_params(r) for r in self.state.request_ids(batch)]
 
 
 def attach_to_runners(runner_cls) -> None:

@@ -107,7 +107,7 @@ class SpecplugEagleProposer(EagleProposer):
                             "compaction after verification)")
             draft_q = self._draft_q if self.sampled.on else None
             self.state.replace_rejection_sampler(lambda own: SpecplugChainSampler(
-                own, on_verify, self.tree_verifier, self._request_params, self.state.tokens_before_step, draft_q))
+                own, on_verify, self.tree_verifier, self.state.request_params, self.state.tokens_before_step, draft_q))
             logger.info("specplug: runner.rejection_sampler replaced by SpecplugChainSampler "
                         "(specplug.common.sampling.verify)")
 
@@ -335,10 +335,6 @@ class SpecplugEagleProposer(EagleProposer):
             requests.append(Committed(req_id, shifted[start:end], positions[start:end], hidden[start:end]))
         shifted[last] = torch.tensor([next_tokens[b] for b in rows], dtype=shifted.dtype)  # ... vLLM's next token last
         return rows, requests
-
-    def _request_params(self, batch):
-        """SamplingParams of the first `batch` rows of vLLM's input batch (None where unknown)."""
-        return [self.state.sampling_params(r) for r in self.state.request_ids(batch)]
 
     def _log_active(self):
         tree = self.specplug.tree

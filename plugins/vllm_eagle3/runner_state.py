@@ -36,6 +36,10 @@ class RunnerState:
         """The request's SamplingParams, None if unknown."""
         return getattr(self.runner.requests.get(req_id), "sampling_params", None)
 
+    def request_params(self, batch: int) -> list:
+        """SamplingParams of batch rows 0..batch-1 (None where unknown)."""
+        return [self.sampling_params(r) for r in self.request_ids(batch)]
+
     def known_tokens(self, req_id: str) -> list[int]:
         """Prompt then output tokens vLLM holds for the request (negative ids: embeddings)."""
         state = self.runner.requests[req_id]

@@ -188,8 +188,8 @@ class TreeVerifier:
         is the accepted node's (unchanged without a move)."""
         if self._order is None:  # set by accept(), in a step that had spec metadata
             return sample_hidden
-        (committed,) = self.committed_order(hidden)
-        return committed[spec_metadata.logits_indices]
+        order, self._order = self._order, None  # covers every token row, so every logits index
+        return hidden[order.to(hidden.device)[spec_metadata.logits_indices]]  # rows committed_order would give
 
 
 def _reorder(x: torch.Tensor, order: torch.Tensor) -> torch.Tensor:

@@ -216,7 +216,7 @@ def test_medusa_tree_holds_each_heads_topk(target):
     torch.testing.assert_close(hidden, last)
 
 
-def test_medusa_draft_from_hidden_equals_draft_after_prefill(target):
+def test_medusa_drafts_from_handed_hidden_states_equal_draft_after_prefill(target):
     """The stateless path engines use (vLLM hands the hidden state each step) drafts the
     same trees as prefill + draft, for a batch."""
     heads = random_medusa_heads(target, num_heads=3)
@@ -226,7 +226,7 @@ def test_medusa_draft_from_hidden_equals_draft_after_prefill(target):
     for rid, prompt in enumerate(prompts):
         prefill(drafter, target, rid, prompt, 7 + rid)
     hidden = torch.stack([target_hidden(target, p, (target.config.num_hidden_layers,))[-1] for p in prompts])
-    stateful, stateless = drafter.draft([0, 1], config), drafter.draft_from(hidden, torch.tensor([7, 8]), config)
+    stateful, stateless = drafter.draft([0, 1], config), drafter.fill(drafter.logits_from(hidden), torch.tensor([7, 8]), config)
     for a, b in zip(stateful, stateless):
         assert (a is None and b is None) or torch.equal(a, b)
 

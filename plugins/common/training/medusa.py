@@ -146,7 +146,6 @@ def load_compact(folder: str | Path) -> MedusaHeads:
     folder = Path(folder)
     blocks = {k: v.float() for k, v in load_file(str(folder / RESBLOCKS_FILE)).items()}
     heads, missing = heads_with_blocks(json.loads((folder / "config.json").read_text()), blocks)
-    missing = [k for k in missing if ".linear." in k]
     if missing:
         raise ValueError(f"{folder / RESBLOCKS_FILE} lacks residual blocks {missing} that its config.json calls "
                          "for: rewrite the folder with `specplug train medusa` or keep the full head")
@@ -154,17 +153,18 @@ def load_compact(folder: str | Path) -> MedusaHeads:
 
 
 def heads_with_blocks(config: dict, blocks: dict[str, torch.Tensor]) -> tuple[MedusaHeads, list[str]]:
-    """Heads built from a config dict with `blocks` loaded into them, and the names of the
-    heads' tensors `blocks` did not hold (the vocab projections always among them)."""
+    """Heads built from a config dict with `blocks` loaded into them, and the residual-block
+    tensors `blocks` did not hold (the vocab projections are not looked for)."""
     heads = MedusaHeads(MedusaConfig.from_dict(config))
-    return heads, heads.load_state_dict(blocks, strict=False).missing_keys
+    missing = heads.load_state_dict(blocks, strict=False).missing_keys
+    return heads, [k for k in missing if ".linear." in k]
 
 
 def load_checkpoint(ckpt: Path, target, cfg: TrainConfig):
     state, tensors, config = read_checkpoint_state(ckpt)
     heads, missing = heads_with_blocks(config, tensors)
     tie_to_target(heads, target)
-    if any(".linear." in k for k in missing):
+    if missing:
         raise ValueError(f"checkpoint {ckpt} lacks residual blocks {missing}: it was written for other settings")
     logger.info("resuming Medusa training at step %d", state["step"])
     return heads.to(cfg.device), state
