@@ -6,11 +6,13 @@
 
 Each method runs in its own in-process engine (the `specplug bench` runner: same heads,
 same settings). After warm-up, timers wrap the engine step, the target model's forward,
-the proposer's `propose` (all drafting: the head's catch-up and tree forwards, tree
-building, path choice), the retrieval drafter (sync + lookup, part of drafting), and the
-sampler (specplug's verification, or vLLM's). "rest" is the step minus those: vLLM's
-scheduler, input preparation, KV bookkeeping, output processing. Times are means per
-engine step in ms; tokens/step counts emitted tokens. Run it on a quiet machine.
+the runner's `propose_draft_token_ids` less the proposer's `propose` ("vLLM draft prep":
+vLLM's own preparation of the drafter's inputs), `propose` (all drafting: the head's
+catch-up and tree forwards, tree building, path choice; of which the head's catch-up,
+its trees, and the retrieval drafter's sync + lookup), and the sampler (specplug's
+verification, or vLLM's). "rest" is the step minus those: vLLM's scheduler, input
+preparation, KV bookkeeping, output processing. Times are means per engine step in ms;
+tokens/step counts emitted tokens. Run it on a quiet machine.
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ import time
 from collections import defaultdict
 from types import SimpleNamespace
 
-PARTS = ("step", "target forward", "drafting", "of which retrieval", "sampler")
+PARTS = ("step", "target forward", "vLLM draft prep", "drafting", "of which head catch-up", "of which head trees",
+         "of which retrieval", "sampler")
 
 
 class Timers:
@@ -62,15 +65,30 @@ def instrument(llm, timers: Timers) -> None:
     runner.model.forward = timers.wrap("target forward", runner.model.forward)
     drafter = getattr(runner, "drafter", None)
     if drafter is not None:
+        runner.propose_draft_token_ids = timers.wrap("vLLM draft prep", runner.propose_draft_token_ids)
         drafter.propose = timers.wrap("drafting", drafter.propose)
-        retrieval = getattr(drafter, "retrieval", None)
-        if retrieval is not None:
-            retrieval.draft = timers.wrap("of which retrieval", retrieval.draft)
-            drafter._sync_retrieval = timers.wrap("of which retrieval", drafter._sync_retrieval)
+        if getattr(drafter, "token_drafter", None) is not None:
+            from specplug.vllm_eagle3 import proposer
+
+            proposer.draft_or_roots = timers.wrap("of which retrieval", proposer.draft_or_roots)
+            drafter._sync_token_drafter = timers.wrap("of which retrieval", drafter._sync_token_drafter)
+        _wrap_head_drafting(timers)
     if getattr(runner, "rejection_sampler", None) is not None and drafter is not None:
         runner.rejection_sampler = TimedCallable(runner.rejection_sampler, timers, "sampler")
     else:
         runner.sampler = TimedCallable(runner.sampler, timers, "sampler")
+
+
+def _wrap_head_drafting(timers: Timers) -> None:
+    """Time the core's head drafting (class-level: the drafting object is built lazily)."""
+    from specplug.common.drafting.eagle import EagleDrafting
+
+    for name, part in (("catch_up", "of which head catch-up"), ("trees", "of which head trees")):
+        original = getattr(EagleDrafting, name)
+        setattr(EagleDrafting, name, getattr(original, "__wrapped_original__", original))
+        timed = timers.wrap(part, getattr(EagleDrafting, name))
+        timed.__wrapped_original__ = getattr(EagleDrafting, name)
+        setattr(EagleDrafting, name, timed)
 
 
 def measure(runner, method: str, prompts, batch_size: int) -> dict:
@@ -81,7 +99,8 @@ def measure(runner, method: str, prompts, batch_size: int) -> dict:
     result = runner.run(method, prompts, batch_size)
     steps = max(1, timers.calls["step"])
     ms = {part: 1e3 * timers.seconds[part] / steps for part in PARTS}
-    ms["rest"] = ms["step"] - ms["target forward"] - ms["drafting"] - ms["sampler"]
+    ms["vLLM draft prep"] = max(0.0, ms["vLLM draft prep"] - ms["drafting"])  # around our propose
+    ms["rest"] = ms["step"] - ms["target forward"] - ms["vLLM draft prep"] - ms["drafting"] - ms["sampler"]
     return {"method": method, "steps": steps, "ms": ms, "tok_per_s": result.output_tokens / result.seconds,
             "tokens_per_step": result.output_tokens / steps}
 

@@ -24,17 +24,24 @@ def best_chains(trees: TreeBatch, depth: int) -> torch.Tensor:
     repeating its last token (vLLM schedules exactly `depth` drafts; verification stays
     exact whatever they are). Measured on the test bed this beats both the best-scoring
     deepest node (beam search) and requiring a full-depth path."""
+    return best_chains_expected(trees, depth)[0]
+
+
+def best_chains_expected(trees: TreeBatch, depth: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(best_chains, Float [B]: each chain's expected accepted length, the sum of its
+    nodes' exp(cumulative log-prob); padding adds nothing)."""
     depths = tree_depths(trees.parents)  # [B, N]
     reach = torch.where(depths > 0, trees.scores.exp(), torch.zeros_like(trees.scores))
     expected = path_reduce(reach, trees.parents, torch.add)  # [B, N]
     node = expected.argmax(dim=1)  # [B]
+    best = expected.gather(1, node[:, None]).squeeze(1)  # [B]
     length = depths.gather(1, node[:, None]).squeeze(1)  # [B] path length, >= 1
     chain = torch.empty(trees.candidates.shape[0], depth, dtype=torch.long)
     for d in range(depth - 1, -1, -1):
         on_path = d < length  # [B] walk up only once position d is on the path
         chain[:, d] = trees.candidates.gather(1, node[:, None]).squeeze(1)
         node = torch.where(on_path, trees.parents.gather(1, node[:, None]).squeeze(1), node)
-    return chain
+    return chain, best
 
 
 def pad_chains(chains: TreeBatch, depth: int) -> torch.Tensor:

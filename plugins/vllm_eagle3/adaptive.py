@@ -6,8 +6,8 @@ head pass per level), or None = draft nothing this step. This module only transl
 what the proposer sees into the controller's measurements:
 
 - target pass cost by tokens in the batch: the wall time from the end of one `propose`
-  call to the start of the next (target forward + sampling + scheduling of the step
-  whose tokens the next call receives), keyed by that step's token count;
+  call to the start of the next (`StepClock`: target forward + sampling + scheduling of
+  the step whose tokens the next call receives), keyed by that step's token count;
 - draft cost by batch: the time of the tree drafting, per level;
 - per-depth acceptance: fed by the chain sampler's verify results.
 
@@ -24,34 +24,40 @@ import torch
 from specplug.common.policy.adaptive import AdaptiveController as _Controller
 from specplug.common.policy.adaptive import AdaptiveSettings, chain_options
 
-__all__ = ["AdaptiveController", "AdaptiveSettings", "chain_options"]
+__all__ = ["AdaptiveController", "AdaptiveSettings", "StepClock", "chain_options"]
+
+
+class StepClock:
+    """The engine step between two `propose` calls: from leaving one (`stop`) to entering
+    the next (`lap`), which is the target's forward, the sampler and vLLM's scheduling."""
+
+    def __init__(self):
+        self._left_at: float | None = None
+
+    def lap(self) -> float | None:
+        """Seconds since the last `stop` (None before the first)."""
+        return None if self._left_at is None else time.perf_counter() - self._left_at
+
+    def stop(self) -> None:
+        self._left_at = time.perf_counter()
 
 
 class AdaptiveController(_Controller):
     """The shared controller, driven by the proposer's calls.
 
-    Call order per engine step: `step_started(tokens)` on entering propose,
-    `choose_depth(batch)`, `draft_timed(batch, depth, seconds)` after drafting,
-    `step_finished()` on leaving propose; `record_verify(num_draft_tokens, num_accepted)`
-    from the sampler. `costs_override` (a StepCosts) pins the decision (tests).
+    Call order per engine step: `verify_timed(tokens, seconds)` with the StepClock's lap
+    on entering propose, `choose_depth(batch)`, `draft_timed(batch, depth, seconds)` after
+    drafting; `record_verify(num_draft_tokens, num_accepted)` from the sampler.
+    `costs_override` (a StepCosts) pins the decision (tests).
     """
 
     def __init__(self, max_depth: int, settings: AdaptiveSettings = AdaptiveSettings()):
         super().__init__(chain_options(max_depth), settings)
-        self._left_at: float | None = None
 
     @property
     def depth_counts(self) -> dict[int, int]:
         """Steps per chosen draft depth (0 = no speculation)."""
         return dict(self.choice_counts)
-
-    def step_started(self, tokens: int) -> None:
-        """A target step over `tokens` new tokens ended just now (the propose call began)."""
-        if self._left_at is not None:
-            self.verify_timed(tokens, time.perf_counter() - self._left_at)
-
-    def step_finished(self) -> None:
-        self._left_at = time.perf_counter()
 
     def draft_timed(self, batch: int, depth: int, seconds: float) -> None:
         """The drafting of a `depth`-level chain for `batch` requests took `seconds`."""

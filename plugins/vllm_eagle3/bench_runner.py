@@ -14,6 +14,8 @@ the section's "retrieval" settings, or the defaults); `specplug-hybrid-calibrate
 `specplug-hybrid` ranking the two sources on measured acceptance (`"calibrate": true`);
 `specplug-hybrid-lengthen` is `specplug-hybrid` with retrieval scored as growing matches
 (RetrievalConfig lengthen, prior LENGTHEN_PRIOR, fitted to own-sequence continuations);
+`specplug-hybrid-gated` is `specplug-hybrid` with the draft gate (`"gate": true`: a request's
+chain only where its expected accepted length pays for the verify, policy.payoff);
 `specplug-sampled` is the head's section with `"draft_temperature"` = --temperature:
 unseeded sampled requests get chains drawn from q, verified with q (use --unseeded). With `--draft-model DIR`: `draft_model`
 (vLLM's built-in draft-model chain, K = DRAFT_MODEL_K) and `specplug-draft-model` (stage
@@ -111,18 +113,16 @@ HEAD_SKIP = 1.0  # specplug-hybrid-skip: retrieval-only steps when it expects >=
 LENGTHEN_PRIOR = 1.7  # specplug-hybrid-lengthen: own-sequence continuations of the target's replies (docs/retrieval.md)
 
 
-def hybrid_head(head: str, stage: str, calibrate: bool | None = None, **retrieval) -> str:
+def hybrid_head(head: str, stage: str, fields: dict | None = None, **retrieval) -> str:
     """A folder with the same weights whose `specplug` section says `"stage": stage` and
     turns hybrid drafting on (its own "retrieval" settings, else the defaults), with
-    `retrieval` fields set on top; `calibrate` (None: as the head says) sets "calibrate"."""
+    `retrieval` fields set on top and the section's `fields` (e.g. {"gate": True}) set."""
     def edit(config):
         section = config.setdefault("specplug", {})
         settings = section.get("retrieval") or True
         if retrieval:
             settings = {**(settings if isinstance(settings, dict) else {}), **retrieval}
-        section.update(stage=stage, retrieval=settings)
-        if calibrate is not None:
-            section["calibrate"] = calibrate
+        section.update(stage=stage, retrieval=settings, **(fields or {}))
     return _head_copy(head, f"specplug-hybrid-{stage}-head-", edit)
 
 
@@ -180,7 +180,8 @@ class VllmRunner:
 
     def methods(self) -> list[str]:
         specplug = ["eagle3", "specplug", "specplug-tree", "specplug-adaptive", "specplug-hybrid", "specplug-hybrid-tree",
-                    "specplug-hybrid-skip", "specplug-hybrid-calibrated", "specplug-sampled", "specplug-hybrid-lengthen"]
+                    "specplug-hybrid-skip", "specplug-hybrid-calibrated", "specplug-sampled", "specplug-hybrid-lengthen",
+                    "specplug-hybrid-gated"]
         drafts = ["draft_model"] + (["specplug-draft-model"] if self.head else []) if self.draft_model else []
         drafts += ["specplug-self-spec"] if self.self_spec_layers and self.head else []
         medusa = ["medusa", "specplug-medusa", "specplug-medusa-tree"] if self.medusa_head else []
@@ -215,7 +216,10 @@ class VllmRunner:
             head = hybrid_head(self.head, "chain", lengthen=True, prior=LENGTHEN_PRIOR)
             return {"method": "eagle3", "model": head, "num_speculative_tokens": tree.depth}
         if method == "specplug-hybrid-calibrated":
-            head = hybrid_head(self.head, "chain", calibrate=True)
+            head = hybrid_head(self.head, "chain", {"calibrate": True})
+            return {"method": "eagle3", "model": head, "num_speculative_tokens": tree.depth}
+        if method == "specplug-hybrid-gated":
+            head = hybrid_head(self.head, "chain", {"gate": True})
             return {"method": "eagle3", "model": head, "num_speculative_tokens": tree.depth}
         if method == "specplug-sampled":
             if self.temperature <= 0:

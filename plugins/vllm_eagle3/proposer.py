@@ -28,7 +28,7 @@ import time
 import torch
 from vllm.v1.spec_decode.eagle import EagleProposer
 
-from specplug.vllm_eagle3.adaptive import AdaptiveController
+from specplug.vllm_eagle3.adaptive import AdaptiveController, StepClock
 from specplug.vllm_eagle3.dense_head import DenseEagle1Head, DenseEagle3Head
 from specplug.vllm_eagle3.runner_state import RunnerState
 from specplug.vllm_eagle3.sampler import SpecplugChainSampler, needs_chain
@@ -43,8 +43,9 @@ from specplug.common import memory, token_drafters
 from specplug.common.drafting.eagle import Committed, EagleDrafting
 from specplug.common.drafting.sampled import SampledDrafts
 from specplug.common.merge import merge_trees
-from specplug.common.path_choice import best_chains, full_budget
+from specplug.common.path_choice import best_chains, best_chains_expected, full_budget
 from specplug.common.policy.calibration import HybridScale
+from specplug.common.policy.payoff import DraftGate
 from specplug.common.drafting.engine_layers import EngineTarget
 from specplug.common.token_drafters import draft_or_roots
 from specplug.common.tree import TreeConfig
@@ -87,6 +88,9 @@ class SpecplugEagleProposer(EagleProposer):
         self.scale = None  # hybrid drafting on measured acceptance (stage chain): a HybridScale
         if self.token_drafter is not None and self.specplug.calibrate and self.specplug.stage == "chain":
             self.scale = HybridScale(["head", "tokens"])
+        self.clock = StepClock()  # the engine step between two propose calls (adaptive, gate)
+        self.gate = DraftGate() if self.specplug.gate else None
+        self.gated: dict = {}  # request -> expected accepted length of the chain handed vLLM last step
         memory.trim_every(memory.trim_period(0.0))  # opt-in: SPECPLUG_MALLOC_TRIM_S (docs/reliability.md)
         self._log_active()
 
@@ -97,7 +101,8 @@ class SpecplugEagleProposer(EagleProposer):
                 target_model, target_model.compute_logits, self.vllm_config.model_config.hf_text_config))
         if self.specplug is not None and self.state is not None:
             # the runner builds its rejection sampler after the drafter: swap it here
-            on_verify = self._verified if self.adaptive is not None or self.scale is not None else None
+            listening = any(x is not None for x in (self.adaptive, self.scale, self.gate))
+            on_verify = self._verified if listening else None
             if self.specplug.stage == "tree":
                 from specplug.vllm_eagle3.tree_verify import TreeVerifier
                 self.tree_verifier = TreeVerifier(self.state)
@@ -126,9 +131,7 @@ class SpecplugEagleProposer(EagleProposer):
         self.drawn = {}  # chains drawn from q are verified in the step after they were drafted, never later
         if self.drafting is None:
             self.drafting = EagleDrafting(self.head_runner(self.model))
-        if self.adaptive is not None:
-            self.adaptive.step_started(int(common_attn_metadata.query_start_loc_cpu[
-                common_attn_metadata.num_reqs]))
+        self._step_timed(int(common_attn_metadata.query_start_loc_cpu[common_attn_metadata.num_reqs]))
         if self.tree_verifier is not None:  # accepted tree nodes first, as in a chain
             target_token_ids, target_positions, target_hidden_states = self.tree_verifier.committed_order(
                 target_token_ids, target_positions, target_hidden_states)
@@ -140,8 +143,7 @@ class SpecplugEagleProposer(EagleProposer):
                     num_rejected_tokens_gpu,
                 )
         finally:
-            if self.adaptive is not None:
-                self.adaptive.step_finished()
+            self.clock.stop()
 
     # -- specplug path ------------------------------------------------------------
     def _propose_chains(self, depth, token_ids, positions, aux_hidden, next_token_ids,
@@ -149,7 +151,8 @@ class SpecplugEagleProposer(EagleProposer):
         """Returns the best tree path per request, [batch, depth] (int); in adaptive mode
         [batch, chosen depth], 0 columns = no speculation for this step (vLLM's scheduler
         takes each request's list of drafts as is and verifies exactly that many); in
-        stage "tree" every kept tree node, [batch, budget]."""
+        stage "tree" every kept tree node, [batch, budget]. With the draft gate on, a list
+        of `batch` lists: a request's chain, or none where it would not pay (_gated)."""
         batch = attn_metadata.num_reqs
         self._forget_finished()
         discarded = self.state.discarded(batch)
@@ -175,13 +178,37 @@ class SpecplugEagleProposer(EagleProposer):
             return torch.zeros(batch, depth, dtype=next_token_ids.dtype, device=next_token_ids.device)
         started = time.perf_counter()
         kept_roots = [roots[i] for i in keep]
+        kept_ids = [requests[i][0] for i in keep]
         if self.tree_verifier is None:
-            drafts = self._draft_chains(kept_roots, [requests[i][0] for i in keep], depth)
+            drafts, expected = self._draft_chains(kept_roots, kept_ids, depth)
         else:
-            drafts = self._draft_trees(kept_roots, [requests[i][0] for i in keep])
+            drafts, expected = self._draft_trees(kept_roots, kept_ids), None
         if self.adaptive is not None:
             self.adaptive.draft_timed(len(keep), depth, time.perf_counter() - started)
+        if self.gate is not None:
+            return self._gated(drafts, expected, [rows[i] for i in keep], kept_ids, batch)
         return self._scatter(drafts, [rows[i] for i in keep], batch, next_token_ids)
+
+    def _gated(self, drafts, expected, rows, req_ids, batch) -> list[list[int]]:
+        """Each batch row's drafts as vLLM's list of lists: the chain where the draft gate
+        keeps it (DraftGate.choose on each chain's expected accepted length), else none
+        (vLLM then runs that request's step plain, as for n-gram drafts that found nothing)."""
+        keep = self.gate.choose(expected, batch, drafts.shape[1])  # [len(rows)]
+        out: list[list[int]] = [[] for _ in range(batch)]
+        for i in torch.nonzero(keep).flatten().tolist():
+            out[rows[i]] = drafts[i].tolist()
+            self.gated[req_ids[i]] = float(expected[i])
+        return out
+
+    def _step_timed(self, tokens: int) -> None:
+        """The engine step that just ended ran `tokens` new tokens: time it for the cost models."""
+        seconds = self.clock.lap()
+        if seconds is None:
+            return
+        if self.adaptive is not None:
+            self.adaptive.verify_timed(tokens, seconds)
+        if self.gate is not None:
+            self.gate.step_timed(tokens, seconds)
 
     @staticmethod
     def _scatter(drafts, rows, batch, next_token_ids):
@@ -191,28 +218,33 @@ class SpecplugEagleProposer(EagleProposer):
         return out.to(next_token_ids.device)
 
     def _draft_chains(self, roots, req_ids, depth):
-        """Stage A: Long [len(roots), depth], each request's best tree path, or with sampled
-        drafts on, a chain drawn from q for each request that samples (_draws_from_q)."""
+        """Stage A: (Long [len(roots), depth], Float [len(roots)]): each request's best tree
+        path and its expected accepted length, or with sampled drafts on, a chain drawn from
+        q for each request that samples (_draws_from_q; expected length unknown: inf)."""
         drawn = [self._draws_from_q(r) for r in req_ids]
         chains = torch.zeros(len(roots), depth, dtype=torch.long)
-        for from_q, draft in ((False, self._best_paths), (True, self._drawn_chains)):
-            rows = [i for i, d in enumerate(drawn) if d == from_q]
-            if rows:
-                chains[rows] = draft([roots[i] for i in rows], [req_ids[i] for i in rows], depth)
-        return chains
+        expected = torch.full((len(roots),), float("inf"))
+        rows = [i for i, d in enumerate(drawn) if not d]
+        if rows:
+            chains[rows], expected[rows] = self._best_paths([roots[i] for i in rows], [req_ids[i] for i in rows], depth)
+        rows = [i for i, d in enumerate(drawn) if d]
+        if rows:
+            chains[rows] = self._drawn_chains([roots[i] for i in rows], [req_ids[i] for i in rows], depth)
+        return chains, expected
 
     def _best_paths(self, roots, req_ids, depth):
-        """Each root's best tree path, Long [len(roots), depth]. When drafting stopped
+        """Each root's best tree path, Long [len(roots), depth], and its expected accepted
+        length, Float [len(roots)] (path_choice.best_chains_expected). When drafting stopped
         early (TreeConfig.stop_below) the path is padded like any short path: vLLM-CPU's
         target step measured 36% slower when the chain length varied from step to step
         than with a fixed length, which costs more than the padding."""
         tree = self.specplug.tree
         budget = full_budget(depth, tree.topk, roots[0].logprobs.shape[-1])
         trees = self.drafting.trees(roots, TreeConfig(depth, tree.topk, budget, tree.stop_below))
-        chains = best_chains(self._with_token_drafts(trees, req_ids, depth, budget=None), depth)
+        chains, expected = best_chains_expected(self._with_token_drafts(trees, req_ids, depth, budget=None), depth)
         if self.scale is not None:
             self.scale.chose(req_ids, chains)
-        return chains
+        return chains, expected
 
     def _drawn_chains(self, roots, req_ids, depth):
         """One chain per root drawn from the head's q (Leviathan), Long [len(roots), depth];
@@ -284,6 +316,12 @@ class SpecplugEagleProposer(EagleProposer):
         if self.scale is not None:
             self.scale.verified(self.state.request_ids(len(num_draft_tokens)), num_draft_tokens,
                                 num_accepted.tolist())
+        if self.gate is not None:
+            gated, self.gated = self.gated, {}
+            for req_id, drafts, accepted in zip(self.state.request_ids(len(num_draft_tokens)), num_draft_tokens,
+                                                num_accepted.tolist()):
+                if int(drafts) > 0 and req_id in gated:
+                    self.gate.verified(gated[req_id], accepted)
 
     def _sync_token_drafter(self, requests):
         """Bring the token drafter's copy of each request's committed tokens to what

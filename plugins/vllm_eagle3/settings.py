@@ -18,7 +18,9 @@ registered token drafter, SPECPLUG_DRAFTER overriding both
 (specplug.common.token_drafters.drafter_choice). `"calibrate": true` ranks hybrid
 candidates on measured acceptance (SPECPLUG_CALIBRATE overrides); `"draft_temperature": T`
 draws sampled requests' chains from the head's q at T, verified with q
-(SPECPLUG_DRAFT_TEMPERATURE overrides).
+(SPECPLUG_DRAFT_TEMPERATURE overrides). `"gate": true` hands vLLM a request's chain only
+when its expected accepted length pays for the tokens it adds to the step
+(specplug.common.policy.payoff; SPECPLUG_GATE overrides; stage "chain").
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from specplug.common.tree import TreeConfig
 
 ENV_TREE_OVERRIDE = "SPECPLUG_TREE"
 ENV_STAGE_OVERRIDE = "SPECPLUG_STAGE"
+ENV_GATE = "SPECPLUG_GATE"
 STAGES = ("chain", "tree")
 
 
@@ -65,6 +68,9 @@ class AdapterSettings:
       chain drawn from the head's q = softmax(draft log-probs / draft_temperature),
       verified with q (rejection sampling, lossless); None = argmax drafts for all.
       Stage "chain" only.
+    gate: per request and step, drafts only where their expected accepted length pays
+      for the tokens they add to the step, on step costs measured in this engine
+      (specplug.common.policy.payoff.DraftGate); the others run a plain step. Stage "chain".
     """
 
     tree: TreeConfig = TreeConfig()
@@ -74,6 +80,7 @@ class AdapterSettings:
     drafter: DrafterChoice | None = None
     calibrate: bool = False
     draft_temperature: float | None = None
+    gate: bool = False
 
     def __post_init__(self):
         if self.verification != "lossless":
@@ -85,6 +92,9 @@ class AdapterSettings:
             raise ValueError(f"specplug \"draft_temperature\" (sampled drafts) needs stage \"chain\", the head says "
                              f"stage {self.stage!r}: drop \"draft_temperature\" (or unset {ENV_DRAFT_TEMPERATURE}), "
                              f"or use stage \"chain\"")
+        if self.gate and self.stage != "chain":
+            raise ValueError(f"specplug \"gate\" needs stage \"chain\", the head says stage {self.stage!r}: "
+                             f"drop \"gate\" (or set {ENV_GATE}=0), or use stage \"chain\"")
         if self.stage not in STAGES:
             raise ValueError(f"specplug stage must be one of {STAGES}, got {self.stage!r}: set \"stage\" in the "
                              f"head's specplug section or {ENV_STAGE_OVERRIDE} to \"chain\" or \"tree\"")
@@ -137,6 +147,7 @@ def adapter_settings(section: Mapping[str, Any], environ: Mapping[str, str] = os
         drafter=drafter,
         calibrate=section_flag(section, "calibrate", environ, ENV_CALIBRATE, "calibrated hybrid scores"),
         draft_temperature=draft_temperature(section, environ),
+        gate=section_flag(section, "gate", environ, ENV_GATE, "the draft gate"),
     )
 
 

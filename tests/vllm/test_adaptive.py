@@ -134,8 +134,7 @@ def test_controller_explores_upwards_then_uses_the_model():
     timings show a linear verify cost and dear drafts, no speculation."""
     adaptive = AdaptiveController(2)
     assert adaptive.choose_depth(1) == 0
-    adaptive.step_finished()
-    adaptive.step_started(1)  # a plain step of 1 token was timed
+    adaptive.verify_timed(1, 1.0)  # a plain step of 1 token was timed
     assert adaptive.choose_depth(1) == 1
     for tokens in (1, 2, 3):  # batch 1 at depths 0, 1, 2
         adaptive.verify_timed(tokens, float(tokens))  # linear verify cost

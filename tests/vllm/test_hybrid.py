@@ -7,6 +7,7 @@ requests join the drafter's cache of recent requests; bad settings fail at start
 from __future__ import annotations
 
 import pytest
+import torch
 
 pytest.importorskip("vllm", reason="needs the vLLM environment: bash scripts/test.sh vllm")
 
@@ -175,3 +176,33 @@ def test_self_spec_runs_the_targets_own_layers_as_vllm_loaded_them(engine, targe
     assert torch.allclose(torch.cat(parts, 1), want, atol=1e-4)
     loaded = drafter_of(llm).state.runner.model.model  # vLLM's target: the draft model holds its modules
     assert model.embed is loaded.embed_tokens and model.layers[-1] is loaded.layers[int(layers[-1])]
+
+
+def test_draft_gate_withholds_chains_per_request_and_stays_lossless(engine, target, monkeypatch):
+    """"gate": each request's chain is handed vLLM only where the draft gate keeps it
+    (per request: a batch mixes requests with and without drafts, vLLM verifying exactly
+    what each got). Greedy output is unchanged with the gate's own choices (on this
+    engine's timings) and with a forced pattern that withholds every other chain."""
+    head = tiny_head_dir(target, specplug={**SPECPLUG_CHAIN, "retrieval": RETRIEVAL, "gate": True})
+    llm = engine(target, head)
+    gate = drafter_of(llm).gate
+    sampling = params(max_tokens=32, temperature=0.0)
+    baseline = token_ids(engine(target).generate(REPEATING, sampling, use_tqdm=False))
+    assert token_ids(llm.generate(REPEATING, sampling, use_tqdm=False)) == baseline
+    assert gate.drafted + gate.withheld > 0
+    flips = iter([True, False] * 1000)
+    monkeypatch.setattr(gate, "choose", lambda expected, batch, drafts: torch.tensor(
+        [next(flips) for _ in range(len(expected))]))
+    spec, stats = run(llm, REPEATING, sampling)
+    assert stats.num_drafts > 0
+    assert spec == baseline
+
+
+def test_gate_flag():
+    from specplug.vllm_eagle3.settings import adapter_settings
+
+    assert not adapter_settings({}).gate
+    assert adapter_settings({"gate": True}).gate
+    assert not adapter_settings({"gate": True}, {"SPECPLUG_GATE": "0"}).gate
+    with pytest.raises(ValueError, match="needs stage \"chain\""):
+        adapter_settings({"stage": "tree", "gate": True})
