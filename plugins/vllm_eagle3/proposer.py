@@ -197,7 +197,8 @@ class SpecplugEagleProposer(EagleProposer):
         out: list[list[int]] = [[] for _ in range(batch)]
         for i in torch.nonzero(keep).flatten().tolist():
             out[rows[i]] = drafts[i].tolist()
-            self.gated[req_ids[i]] = float(expected[i])
+            if bool(expected[i].isfinite()):  # chains drawn from q have no estimate to check
+                self.gated[req_ids[i]] = float(expected[i])
         return out
 
     def _step_timed(self, tokens: int) -> None:
