@@ -67,28 +67,18 @@ def instrument(llm, timers: Timers) -> None:
     if drafter is not None:
         runner.propose_draft_token_ids = timers.wrap("vLLM draft prep", runner.propose_draft_token_ids)
         drafter.propose = timers.wrap("drafting", drafter.propose)
-        if getattr(drafter, "token_drafter", None) is not None:
-            from specplug.vllm_eagle3 import proposer
-
-            proposer.draft_or_roots = timers.wrap("of which retrieval", proposer.draft_or_roots)
+        token_drafter = getattr(drafter, "token_drafter", None)
+        if token_drafter is not None:
+            token_drafter.draft = timers.wrap("of which retrieval", token_drafter.draft)
             drafter._sync_token_drafter = timers.wrap("of which retrieval", drafter._sync_token_drafter)
-        _wrap_head_drafting(timers)
+        drafting = getattr(drafter, "drafting", None)  # the head's; built at the warm-up's first step
+        if drafting is not None:
+            drafting.catch_up = timers.wrap("of which head catch-up", drafting.catch_up)
+            drafting.trees = timers.wrap("of which head trees", drafting.trees)
     if getattr(runner, "rejection_sampler", None) is not None and drafter is not None:
         runner.rejection_sampler = TimedCallable(runner.rejection_sampler, timers, "sampler")
     else:
         runner.sampler = TimedCallable(runner.sampler, timers, "sampler")
-
-
-def _wrap_head_drafting(timers: Timers) -> None:
-    """Time the core's head drafting (class-level: the drafting object is built lazily)."""
-    from specplug.common.drafting.eagle import EagleDrafting
-
-    for name, part in (("catch_up", "of which head catch-up"), ("trees", "of which head trees")):
-        original = getattr(EagleDrafting, name)
-        setattr(EagleDrafting, name, getattr(original, "__wrapped_original__", original))
-        timed = timers.wrap(part, getattr(EagleDrafting, name))
-        timed.__wrapped_original__ = getattr(EagleDrafting, name)
-        setattr(EagleDrafting, name, timed)
 
 
 def measure(runner, method: str, prompts, batch_size: int) -> dict:
