@@ -37,7 +37,8 @@ PYTHON_H = Path(sysconfig.get_paths()["include"], "Python.h")
 @pytest.mark.slow
 @pytest.mark.skipif(NVCC is None, reason="no nvcc on PATH or in $CUDA_HOME/bin")
 def test_kernels_compile_for_hopper_and_ampere(tmp_path):
-    cmd = [NVCC, "-c", "-o", str(tmp_path / "verify.o"), "-O3", "-std=c++17", *ARCHS, "-Xptxas", "-v",
+    # --threads 2: the two architectures compile side by side (163 s -> 76 s on 2 cores)
+    cmd = [NVCC, "-c", "-o", str(tmp_path / "verify.o"), "-O3", "-std=c++17", *ARCHS, "--threads", "2", "-Xptxas", "-v",
            "-I", str(SRC), str(SRC / "verify_kernels.cu")]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, f"nvcc failed:\n{done.stderr[-4000:]}"

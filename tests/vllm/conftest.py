@@ -7,9 +7,9 @@ engine share it; `engine(...)` is the one way tests start vLLM.
 
 from __future__ import annotations
 
-import gc
 import logging
 import os
+import sys
 
 import pytest
 
@@ -69,6 +69,7 @@ def specplug_log():
 
 
 _ENGINES: dict = {}
+_EXIT_STATUS = pytest.StashKey[int]()
 
 
 def _start(target: str, head: str | None, num_spec_tokens: int, overrides: tuple):
@@ -102,8 +103,10 @@ def kv_bytes(target_dir, tokens: int) -> int:
 @pytest.fixture(scope="session")
 def engine(specplug_log):
     """engine(target_dir, head_dir=None, num_spec_tokens=3, [method=...], **engine_args)
-    -> a cached vllm.LLM. Engines are never deleted mid-session: tearing one down in-process also
-    tears down vLLM's global parallel state that the others use."""
+    -> a cached vllm.LLM. Engines are never deleted: tearing one down in-process also tears
+    down vLLM's global parallel state that the others use, and each teardown runs a full
+    garbage collection (about 2 s here, ~2 minutes for the suite's engines), so the
+    process ends without it (`pytest_unconfigure`)."""
 
     def get(target, head=None, num_spec_tokens=NUM_SPEC_TOKENS, **overrides):
         key = (str(target), None if head is None else str(head), num_spec_tokens,
@@ -112,9 +115,22 @@ def engine(specplug_log):
             _ENGINES[key] = _start(*key)
         return _ENGINES[key]
 
-    yield get
-    _ENGINES.clear()
-    gc.collect()
+    return get
+
+
+def pytest_sessionfinish(session, exitstatus):
+    session.config.stash[_EXIT_STATUS] = int(exitstatus)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config):
+    """After the reports are written: end the process without vLLM's exit-time engine
+    teardowns (weakref finalizers, one garbage collection per engine), which only free
+    memory the exiting process gives back anyway."""
+    if _ENGINES and _EXIT_STATUS in config.stash:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(config.stash[_EXIT_STATUS])
 
 
 @pytest.fixture(scope="session")

@@ -32,8 +32,8 @@ def _specplug_cli() -> str:
     return str(Path(sys.executable).with_name("specplug"))
 
 
-def start_server(model, extra: list[str]) -> tuple[str, subprocess.Popen]:
-    """`specplug serve MODEL ...` on a free loopback port; returns (url, process) once healthy."""
+def launch_server(model, extra: list[str]) -> tuple[str, subprocess.Popen]:
+    """`specplug serve MODEL ...` on a free loopback port; returns (url, process), not yet healthy."""
     port = free_port()
     cmd = [_specplug_cli(), "serve", str(model), "--port", str(port), "--host", "127.0.0.1",
            "--dtype", "float32", "--max-model-len", "512", "--enforce-eager", "--seed", "0",
@@ -42,13 +42,7 @@ def start_server(model, extra: list[str]) -> tuple[str, subprocess.Popen]:
     env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # it would override --kv-cache-memory-bytes
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                             start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(url, proc, STARTUP_LIMIT_S)
-    except BaseException:
-        stop_server(proc)
-        raise
-    return url, proc
+    return f"http://127.0.0.1:{port}", proc
 
 
 def stop_server(proc: subprocess.Popen) -> None:
@@ -63,17 +57,19 @@ def stop_server(proc: subprocess.Popen) -> None:
 
 @pytest.fixture(scope="module")
 def servers(target):
+    """(url with speculation, url without), both started at once (their start-ups overlap)."""
     head = tiny_head_dir(target, specplug=SPECPLUG_CHAIN)
     spec = json.dumps({"method": "eagle3", "model": str(head), "num_speculative_tokens": 3})
-    plain = start_server(target, [])
+    started = []
     try:
-        spec_server = start_server(target, ["--speculative-config", spec])
-    except BaseException:
-        stop_server(plain[1])
-        raise
-    yield spec_server[0], plain[0]
-    stop_server(spec_server[1])
-    stop_server(plain[1])
+        started.append(launch_server(target, ["--speculative-config", spec]))
+        started.append(launch_server(target, []))
+        for url, proc in started:
+            wait_healthy(url, proc, STARTUP_LIMIT_S)
+        yield started[0][0], started[1][0]
+    finally:
+        for _, proc in started:
+            stop_server(proc)
 
 
 REQUESTS = [
