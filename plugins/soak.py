@@ -288,7 +288,7 @@ def server_command(args, port: int, config: str | None) -> tuple[list[str], dict
                "--dtype", "float32", "--enforce-eager", "--seed", "0", "--max-model-len", str(args.max_model_len),
                "--max-num-batched-tokens", str(args.max_num_batched_tokens),
                "--kv-cache-memory-bytes", str(args.kv_cache_memory_bytes)]
-        return cmd + (["--speculative-config", json.dumps(vllm_spec(args.head, config))] if config else []), env
+        return cmd + (["--speculative-config", json.dumps(vllm_spec(args, config))] if config else []), env
     if STAND_INS.is_dir():
         print(f"soak: SGLang server gets test stand-ins on PYTHONPATH: {STAND_INS}", file=sys.stderr)
         env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(STAND_INS), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
@@ -303,12 +303,20 @@ def server_command(args, port: int, config: str | None) -> tuple[list[str], dict
     return cmd + spec.get(config, []), env
 
 
-def vllm_spec(head: str, config: str) -> dict:
-    from specplug.vllm_eagle3.bench_runner import _head_copy, head_settings
+def vllm_spec(args, config: str) -> dict:
+    """The --speculative-config of a vLLM config: the EAGLE-3 head (`--head`) in stage chain,
+    tree or adaptive, or specplug's Medusa tree on the Medusa heads (`--medusa-head`,
+    converted to vLLM's format once)."""
+    from specplug.vllm_eagle3.bench_runner import _head_copy, head_settings, staged_head, vllm_medusa_head
 
-    tree = head_settings(head).tree
+    if config == "medusa":
+        from specplug.vllm_eagle3.medusa_proposer import tree_nodes
+
+        head = staged_head(vllm_medusa_head(args.medusa_head, args.model), "tree")
+        return {"method": "medusa", "model": head, "num_speculative_tokens": tree_nodes(head)}
+    tree = head_settings(args.head).tree
     edits = {"chain": dict(stage="chain"), "tree": dict(stage="tree"), "adaptive": dict(stage="chain", adaptive=True)}
-    copy = _head_copy(head, f"specplug-soak-{config}-",
+    copy = _head_copy(args.head, f"specplug-soak-{config}-",
                       lambda c: c.setdefault("specplug", {}).update(edits[config]))
     return {"method": "eagle3", "model": copy,
             "num_speculative_tokens": tree.budget if config == "tree" else tree.depth}
@@ -415,20 +423,24 @@ def table(results: list[dict], args) -> str:
              f"{r['greedy_checked']} ({r['greedy_near_ties']})", f"{r['seeded_pairs']} ({r['seeded_mismatched']})",
              f"{r['rss_first_mib']} / {r['rss_ref_mib']} -> {r['rss_end_mib']} ({r['rss_growth']:+.1%})",
              ", ".join(k for k, ok in r["checks"].items() if not ok) or "none"] for r in results]
-    lines = [f"specplug soak: engine {args.engine}, model {args.model}, head {args.head}",
+    medusa = f", Medusa heads {args.medusa_head}" if args.engine == "vllm" and "medusa" in args.configs else ""
+    lines = [f"specplug soak: engine {args.engine}, model {args.model}, head {args.head}{medusa}",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     return "\n".join(lines + ["| " + " | ".join(map(str, row)) + " |" for row in rows])
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--engine", choices=["vllm", "sglang"], default="vllm", help="server to soak")
-    parser.add_argument("--configs", default=None, help="comma-separated: chain,tree,adaptive for vllm "
-                        "(stage chain K=depth / stage tree K=budget / adaptive), medusa,retrieval for sglang; "
+    parser.add_argument("--configs", default=None, help="comma-separated: chain,tree,adaptive,medusa for vllm "
+                        "(EAGLE-3 stage chain K=depth / stage tree K=budget / adaptive; specplug's Medusa tree "
+                        "on --medusa-head), medusa,retrieval for sglang; "
                         "none = the same load on the server without speculation (a control); "
                         "None = all of the engine's except none")
     parser.add_argument("--model", default=None, help="target model folder; None = the test-bed target")
     parser.add_argument("--head", default=None, help="EAGLE-3 head (vllm) or Medusa heads folder (sglang); "
                         "None = the test bed's smollm2-eagle3 / smollm2-medusa")
+    parser.add_argument("--medusa-head", default="testbed", help="Medusa heads for vllm's medusa config "
+                        "(converted to vLLM's format when needed); testbed = the test bed's smollm2-medusa")
     parser.add_argument("--clients", type=int, default=64, help="concurrent client threads")
     parser.add_argument("--minutes", type=float, default=5.0, help="load time per configuration")
     parser.add_argument("--max-requests-per-client", type=int, default=1000, help="bound on each client's loop")
@@ -455,8 +467,8 @@ def defaults(args) -> None:
     args.model = str(args.model or testbed.target_dir())
     name = "smollm2-eagle3" if args.engine == "vllm" else "smollm2-medusa"
     args.head = str(args.head or testbed.head_dir(name))
-    args.configs = (args.configs or ("chain,tree,adaptive" if args.engine == "vllm" else "medusa,retrieval")).split(",")
-    allowed = {"vllm": {"none", "chain", "tree", "adaptive"}, "sglang": {"none", "medusa", "retrieval"}}[args.engine]
+    args.configs = (args.configs or ("chain,tree,adaptive,medusa" if args.engine == "vllm" else "medusa,retrieval")).split(",")
+    allowed = {"vllm": {"none", "chain", "tree", "adaptive", "medusa"}, "sglang": {"none", "medusa", "retrieval"}}[args.engine]
     if not set(args.configs) <= allowed:
         raise ValueError(f"--configs {','.join(args.configs)} is not valid for --engine {args.engine}: "
                          f"choose from {','.join(sorted(allowed))}")

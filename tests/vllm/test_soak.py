@@ -26,3 +26,25 @@ LIMIT_S = 600  # two server starts (~40 s each when quiet) + 30 s of load + drai
 
 def test_short_soak_passes_every_check(tmp_path):
     assert_short_soak_passes(tmp_path, "vllm", "chain", "seeded", LIMIT_S)
+
+
+def test_medusa_config_serves_specplugs_medusa_tree_on_the_converted_heads():
+    """`--configs medusa` (vLLM): the test bed's Medusa heads in vLLM's format, section stage
+    "tree", K = the tree's node count; an unknown config is refused naming the choices."""
+    import argparse
+    import json
+    from pathlib import Path
+
+    from specplug import soak
+    from specplug.vllm_eagle3.medusa_proposer import heads_in_checkpoint, tree_nodes
+
+    parser = argparse.ArgumentParser()
+    soak.add_arguments(parser)
+    args = parser.parse_args(["--engine", "vllm", "--configs", "medusa"])
+    soak.defaults(args)
+    spec = soak.vllm_spec(args, "medusa")
+    config = json.loads((Path(spec["model"]) / "config.json").read_text())
+    assert spec["method"] == "medusa" and config["specplug"]["stage"] == "tree"
+    assert spec["num_speculative_tokens"] == tree_nodes(spec["model"]) > heads_in_checkpoint(spec["model"])
+    with pytest.raises(ValueError, match="choose from adaptive,chain,medusa,none,tree"):
+        soak.defaults(parser.parse_args(["--engine", "vllm", "--configs", "retrieval"]))
