@@ -495,7 +495,7 @@ def run(args: argparse.Namespace) -> int:
     # vLLM: the first speculative server starts beside the baseline (their start-ups overlap;
     # an idle vLLM engine waits on its socket). Not SGLang: its idle scheduler polls and took
     # the baseline's greedy set from ~35 s to 2.6 minutes on 2 cores. Nor with a control run.
-    overlap = args.engine == "vllm" and configs and "none" not in args.configs
+    overlap = args.engine == "vllm" and bool(configs) and "none" not in args.configs
     first = launch_server(args, configs[0], configs[0]) if overlap else None
     baseline = None
     try:
