@@ -96,7 +96,8 @@ def engine_args(model: str, seed: int, max_batch: int) -> dict:
     args = dict(model_path=model, random_seed=seed, max_running_requests=max_batch, log_level="error")
     if not torch.cuda.is_available():
         args.update(device="cpu", dtype="float32", attention_backend="torch_native", disable_cuda_graph=True,
-                    disable_overlap_schedule=True, mem_fraction_static=0.5, max_total_tokens=65536)
+                    disable_overlap_schedule=True, mem_fraction_static=0.5, max_total_tokens=65536,
+                    sleep_on_idle=True)  # an idle scheduler would spin one of the CPU's cores
     return args
 
 

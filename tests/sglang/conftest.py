@@ -45,7 +45,7 @@ _install_stand_ins()
 ENGINE_ARGS = dict(
     device="cpu", dtype="float32", attention_backend="torch_native", disable_cuda_graph=True,
     disable_overlap_schedule=True, mem_fraction_static=0.5, max_total_tokens=16384,
-    log_level="error", random_seed=0,
+    log_level="error", random_seed=0, sleep_on_idle=True,  # an idle scheduler would spin a core
 )
 
 # Mixed prompt lengths (token ids of the tiny Llama's vocabulary), used by several tests.

@@ -22,7 +22,7 @@ def server(sgl_model, medusa_heads):
     cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(sgl_model), "--port", str(port),
            "--device", "cpu", "--dtype", "float32", "--attention-backend", "torch_native",
            "--disable-cuda-graph", "--mem-fraction-static", "0.5", "--max-total-tokens", "16384",
-           "--random-seed", "0", "--log-level", "warning",
+           "--random-seed", "0", "--log-level", "warning", "--sleep-on-idle",
            "--speculative-algorithm", "MEDUSA", "--speculative-draft-model-path", str(medusa_heads)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=dict(os.environ), start_new_session=True)
