@@ -172,11 +172,17 @@ def greedy_problem(reply: dict, base: dict) -> str | None:
 
 
 def greedy_set(url: str, model: str, timeout: float) -> list[dict]:
+    """The greedy prompts' answers in prompt order, all sent at once (a batch of 8; one at a
+    time, the set took 22 s on the server without speculation and 42 s on MEDUSA's)."""
     import requests
+    from concurrent.futures import ThreadPoolExecutor
 
-    with requests.Session() as session:
-        return [send(session, url, model, make_job(0, random.Random(i), None, i), timeout)
-                for i in range(len(PROMPTS))]
+    def answer(i: int) -> dict:
+        with requests.Session() as session:
+            return send(session, url, model, make_job(0, random.Random(i), None, i), timeout)
+
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:
+        return list(pool.map(answer, range(len(PROMPTS))))
 
 
 # ---- load: N client threads until the deadline (and at most max_requests each)
