@@ -89,15 +89,19 @@ def is_eagle3_head(path: str) -> bool:
     return config.is_file() and any("Eagle3" in a for a in json.loads(config.read_text()).get("architectures", []))
 
 
+# sglang.Engine arguments SGLang's CPU engine needs (docs/sglang.md); the test suite's engines use them too
+CPU_ENGINE_ARGS = dict(device="cpu", dtype="float32", attention_backend="torch_native", disable_cuda_graph=True,
+                       disable_overlap_schedule=True, mem_fraction_static=0.5,
+                       sleep_on_idle=True)  # an idle scheduler would spin one of the CPU's cores
+
+
 def engine_args(model: str, seed: int, max_batch: int) -> dict:
     """sglang.Engine arguments: SGLang's CPU settings when no CUDA device is present."""
     import torch
 
     args = dict(model_path=model, random_seed=seed, max_running_requests=max_batch, log_level="error")
     if not torch.cuda.is_available():
-        args.update(device="cpu", dtype="float32", attention_backend="torch_native", disable_cuda_graph=True,
-                    disable_overlap_schedule=True, mem_fraction_static=0.5, max_total_tokens=65536,
-                    sleep_on_idle=True)  # an idle scheduler would spin one of the CPU's cores
+        args.update(CPU_ENGINE_ARGS, max_total_tokens=65536)
     return args
 
 

@@ -42,11 +42,9 @@ def _install_stand_ins() -> None:
 
 _install_stand_ins()
 
-ENGINE_ARGS = dict(
-    device="cpu", dtype="float32", attention_backend="torch_native", disable_cuda_graph=True,
-    disable_overlap_schedule=True, mem_fraction_static=0.5, max_total_tokens=16384,
-    log_level="error", random_seed=0, sleep_on_idle=True,  # an idle scheduler would spin a core
-)
+from specplug.sglang_medusa.bench_runner import CPU_ENGINE_ARGS  # noqa: E402 - after the stand-ins
+
+ENGINE_ARGS = dict(CPU_ENGINE_ARGS, max_total_tokens=16384, log_level="error", random_seed=0)
 
 # Mixed prompt lengths (token ids of the tiny Llama's vocabulary), used by several tests.
 PROMPTS = [
