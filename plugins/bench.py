@@ -44,6 +44,7 @@ class RunResult:
     draft_seconds: float | None = None
     verify_seconds: float | None = None
     outputs: list[list[int]] = field(default_factory=list, repr=False)
+    rounds: list[list[float]] = field(default_factory=list)  # --interleave: [tokens, seconds] per round
 
     @property
     def tok_per_s(self) -> float:
@@ -66,7 +67,8 @@ class Runner(Protocol):
 
     def methods(self) -> list[str]: ...
 
-    def run(self, method: str, prompts: Sequence[str], batch_size: int) -> RunResult: ...
+    def run(self, method: str, prompts: Sequence[str], batch_size: int, fresh: bool = True) -> RunResult:
+        """Generate `prompts` in batches; `fresh` resets the engine's caches first."""
 
     def close(self) -> None: ...
 
@@ -106,6 +108,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--unseeded", action="store_true",
                         help="vLLM: requests carry no seed (--seed seeds the engine only); specplug's sampled "
                              "drafts (specplug-sampled) serve unseeded requests only")
+    parser.add_argument("--interleave", type=int, default=0, metavar="N",
+                        help="methods take turns N prompts at a time, each in its own process holding its "
+                             "engine, so a host whose speed drifts slows every method alike (ratios you can "
+                             "trust on a shared or throttling machine; needs memory for one engine per "
+                             "method); 0 = one method after another")
     parser.add_argument("--adaptive", action="store_true", help="turn on adaptive (batch-aware) speculation for specplug methods")
     parser.add_argument("--out", default="bench-results", help="folder for the JSON and PNG")
     parser.add_argument("--json", action="store_true", help="print the JSON instead of the markdown table")
@@ -123,7 +130,10 @@ def run(args: argparse.Namespace) -> int:
             report["meta"][f"{engine}_version"] = runner.version
             prompts = load_prompts(args, runner)
             methods = args.methods.split(",") if args.methods else runner.methods()
-            results = sweep(runner, methods, prompts, batch_sizes, args.num_prompts)
+            if args.interleave > 0:
+                results = interleaved(engine, args, methods, prompts, batch_sizes)
+            else:
+                results = sweep(runner, methods, prompts, batch_sizes, args.num_prompts)
             same = identical_to_none(results)
             report["results"] += [{"engine": engine, **summarise(r), "identical_to_none": same[i]}
                                   for i, r in enumerate(results)]
@@ -185,6 +195,29 @@ def sweep(runner, methods: Sequence[str], prompts: Sequence[str], batch_sizes: S
     return results
 
 
+def interleaved(engine: str, args: argparse.Namespace, methods: Sequence[str], prompts: Sequence[str],
+                batch_sizes: Sequence[int]) -> list[RunResult]:
+    """`sweep` with the methods taking turns `args.interleave` prompts at a time (bench_rounds)."""
+    from tqdm import tqdm
+
+    from specplug import bench_rounds
+
+    bench_rounds.check_memory(engine, methods)
+    workers = {m: bench_rounds.MethodWorker(engine, args, m) for m in methods}
+    total = sum(len(methods) * len(bench_rounds.rounds(prompts[:max(args.num_prompts, b)], args.interleave, b))
+                for b in batch_sizes)
+    try:
+        with tqdm(total=total, desc=f"bench {engine} (interleaved)", unit="turn") as bar:
+            def progress(method, batch, r):
+                bar.set_postfix_str(f"{method} bs{batch} round {r + 1}")
+                bar.update()
+            return bench_rounds.sweep_interleaved({m: w.run for m, w in workers.items()}, prompts,
+                                                  batch_sizes, args.num_prompts, args.interleave, progress)
+    finally:
+        for w in workers.values():
+            w.close()
+
+
 def summarise(r: RunResult) -> dict:
     row = {k: v for k, v in asdict(r).items() if k != "outputs"}
     row.update(tok_per_s=r.tok_per_s, tau=r.tau, acceptance_by_pos=r.acceptance_by_pos)
@@ -224,7 +257,7 @@ def _meta(args: argparse.Namespace, batch_sizes: list[int]) -> dict:
             "prompts": args.prompts, "num_prompts": args.num_prompts,
             "max_new_tokens": args.max_new_tokens, "batch_sizes": batch_sizes,
             "temperature": args.temperature, "seed": args.seed, "unseeded": getattr(args, "unseeded", False),
-            "adaptive": args.adaptive,
+            "adaptive": args.adaptive, "interleave": getattr(args, "interleave", 0),
             "environment": {k: v for k, v in sorted(os.environ.items()) if k.startswith("SPECPLUG_")}}
 
 

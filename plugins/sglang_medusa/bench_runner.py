@@ -185,11 +185,13 @@ class SglangRunner:
             self._engine.generate(["warm up"], {"max_new_tokens": 8, "ignore_eos": True})
         return self._engine
 
-    def run(self, method: str, prompts, batch_size: int) -> RunResult:
+    def run(self, method: str, prompts, batch_size: int, fresh: bool = True) -> RunResult:
         engine = self._engine_for(method)
-        # Every run starts cold: no radix-cache prefix hits and no NGRAM corpus left from the
-        # previous batch size's run over the same prompts (it would inflate tau).
-        engine.flush_cache()
+        # A fresh run starts cold: no radix-cache prefix hits and no NGRAM corpus left from the
+        # previous batch size's run over the same prompts (it would inflate tau). Later
+        # rounds of an interleaved run (fresh=False) keep what the earlier rounds built.
+        if fresh:
+            engine.flush_cache()
         params = {"max_new_tokens": self.max_new_tokens, "ignore_eos": True, "temperature": self.temperature}
         outs, start = [], time.perf_counter()
         for i in range(0, len(prompts), batch_size):

@@ -283,14 +283,15 @@ class VllmRunner:
 
         self._llm.generate(["warm up"], SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
 
-    def run(self, method: str, prompts, batch_size: int) -> RunResult:
+    def run(self, method: str, prompts, batch_size: int, fresh: bool = True) -> RunResult:
         from vllm import SamplingParams
 
         llm = self._engine(method)
         params = [SamplingParams(max_tokens=self.max_new_tokens, ignore_eos=True,
                                  temperature=self.temperature, seed=self.seed + i if self.seeded else None)
                   for i in range(len(prompts))]
-        self._forget_earlier_runs(llm)
+        if fresh:
+            self._forget_earlier_runs(llm)
         before = spec_decode_stats(llm.get_metrics())
         outputs, start = [], time.perf_counter()
         for i in range(0, len(prompts), batch_size):

@@ -52,3 +52,26 @@ def test_bench_draft_model_rows_are_lossless(tiny_llama_path, tmp_path):
     rows = {r["method"]: r for r in json.loads((tmp_path / "out" / "bench.json").read_text())["results"]}
     for method in ("draft_model", "specplug-draft-model", "specplug-self-spec"):
         assert rows[method]["identical_to_none"] == 1.0 and rows[method]["num_drafts"] > 0
+
+
+def test_bench_interleaved_rounds_are_lossless_and_cover_every_prompt(tiny_llama_path, tmp_path):
+    """--interleave 1: each method in its own worker process, taking turns prompt by prompt
+    (ngram beside other engines is fine there); every row covers all prompts, in rounds."""
+    from tests.vllm.conftest import SPECPLUG_CHAIN
+    from tests.support.tiny_eagle3 import tiny_head_dir
+
+    head = tiny_head_dir(tiny_llama_path, specplug=SPECPLUG_CHAIN)
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", OMP_NUM_THREADS="1", VLLM_CPU_KVCACHE_SPACE="1")
+    cmd = [sys.executable, "-m", "specplug.cli", "bench", "--engine", "vllm", "--model", str(tiny_llama_path),
+           "--head", str(head), "--methods", "ngram,none,specplug", "--interleave", "1", "--batch-sizes", "1",
+           "--max-new-tokens", "16", "--num-prompts", "3", "--out", str(tmp_path), "--json"]
+    subprocess.run(cmd, env=env, check=True, capture_output=True, text=True, timeout=600)
+    report = json.loads((tmp_path / "bench.json").read_text())
+    assert report["meta"]["interleave"] == 1
+    rows = {r["method"]: r for r in report["results"]}
+    assert list(rows) == ["ngram", "none", "specplug"]
+    for row in rows.values():
+        assert row["num_prompts"] == 3 and len(row["rounds"]) == 3
+        assert row["output_tokens"] == 3 * 16 == sum(tokens for tokens, _ in row["rounds"])
+    assert rows["specplug"]["identical_to_none"] == 1.0 and rows["specplug"]["num_drafts"] > 0
+    assert rows["ngram"]["identical_to_none"] == 1.0
