@@ -203,7 +203,10 @@ def interleaved(engine: str, args: argparse.Namespace, methods: Sequence[str], p
     from specplug import bench_rounds
 
     bench_rounds.check_memory(engine, methods)
-    workers = {m: bench_rounds.MethodWorker(engine, args, m) for m in methods}
+    logs = Path(args.out) / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    print(f"engine logs: {logs}/{engine}-METHOD.log", file=sys.stderr)
+    workers = {m: bench_rounds.MethodWorker(engine, args, m, str(logs / f"{engine}-{m}.log")) for m in methods}
     total = sum(len(methods) * len(bench_rounds.rounds(prompts[:max(args.num_prompts, b)], args.interleave, b))
                 for b in batch_sizes)
     try:

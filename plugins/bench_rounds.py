@@ -83,11 +83,11 @@ def sweep_interleaved(run_fns: dict[str, RunFn], prompts: Sequence[str], batch_s
 class MethodWorker:
     """One method's runner (and engine) in a spawned process; `run` is a RunFn."""
 
-    def __init__(self, engine: str, args: argparse.Namespace, method: str):
-        self.method = method
+    def __init__(self, engine: str, args: argparse.Namespace, method: str, log: str | None = None):
+        self.method, self.log = method, log
         context = multiprocessing.get_context("spawn")
         self._conn, child = context.Pipe()
-        self._process = context.Process(target=_serve, args=(child, engine, args, method),
+        self._process = context.Process(target=_serve, args=(child, engine, args, method, log),
                                         name=f"specplug-bench-{method}", daemon=True)
         self._process.start()
         child.close()
@@ -96,7 +96,8 @@ class MethodWorker:
         self._conn.send((list(prompts), batch_size, fresh))
         ok, value = self._conn.recv()
         if not ok:
-            raise RuntimeError(f"specplug bench: method {self.method!r} failed in its worker:\n{value}")
+            where = f" (engine log: {self.log})" if self.log else ""
+            raise RuntimeError(f"specplug bench: method {self.method!r} failed in its worker{where}:\n{value}")
         return value
 
     def close(self) -> None:
@@ -111,8 +112,14 @@ class MethodWorker:
         self._conn.close()
 
 
-def _serve(conn, engine: str, args: argparse.Namespace, method: str) -> None:
-    """Worker loop: run each (prompts, batch, fresh) job on this method's engine."""
+def _serve(conn, engine: str, args: argparse.Namespace, method: str, log: str | None) -> None:
+    """Worker loop: run each (prompts, batch, fresh) job on this method's engine, the
+    engine's output (stdout and stderr, its subprocesses' too) appended to `log`."""
+    if log is not None:
+        fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        os.close(fd)
     runner = importlib.import_module(ENGINES[engine][1]).make_runner(args)
     try:
         while (job := conn.recv()) is not None:

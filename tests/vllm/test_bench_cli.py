@@ -75,3 +75,5 @@ def test_bench_interleaved_rounds_are_lossless_and_cover_every_prompt(tiny_llama
         assert row["output_tokens"] == 3 * 16 == sum(tokens for tokens, _ in row["rounds"])
     assert rows["specplug"]["identical_to_none"] == 1.0 and rows["specplug"]["num_drafts"] > 0
     assert rows["ngram"]["identical_to_none"] == 1.0
+    for method in rows:                                   # engine noise in a log per method
+        assert (tmp_path / "logs" / f"vllm-{method}.log").stat().st_size > 0
