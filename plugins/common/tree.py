@@ -429,7 +429,13 @@ def chain_batch(num_drafts: Sequence[int], draft_tokens: torch.Tensor) -> TreeBa
     """Flat chains as a padded TreeBatch: request b's num_drafts[b] draft tokens follow
     those of the requests before it in draft_tokens Long [sum(num_drafts)] (an engine's
     chain layout). Node 0 is the root, whose token verify never reads (0 here)."""
-    num_nodes = torch.as_tensor(list(num_drafts), dtype=torch.long) + 1
+    num_drafts = list(num_drafts)
+    if num_drafts and all(n == num_drafts[0] for n in num_drafts):  # one length: a reshape
+        batch, k = len(num_drafts), num_drafts[0]
+        candidates = torch.cat([torch.zeros(batch, 1, dtype=torch.long),
+                                draft_tokens.to(torch.long).cpu().view(batch, k)], 1)
+        return TreeBatch(candidates, torch.arange(-1, k).repeat(batch, 1), torch.full((batch,), k + 1))
+    num_nodes = torch.as_tensor(num_drafts, dtype=torch.long) + 1
     node = torch.arange(int(num_nodes.max()))
     real = node[None] < num_nodes[:, None]  # [B, N]
     parents = torch.where(real, node[None] - 1, -1)  # chain: node i's parent is i - 1

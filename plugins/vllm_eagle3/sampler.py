@@ -13,7 +13,8 @@ of every step itself: the request's rules (penalties, bad words, allowed ids, lo
 bias, min-tokens; specplug.common.request_rules, along each node's own path), then
 temperature / min-p / top-k / top-p (specplug.common.sampling.process_logits), then
 verify(method="coupled"): the target's own inverse-CDF sample at every node matched
-against the drafts (lossless, the target-only rule's acceptance). A seeded request's
+against the drafts (lossless, the target-only rule's acceptance); chains go through
+chains.verify_chains, the same result in a few vectorised ops. A seeded request's
 draw for the token at sequence position t is fixed by (seed, t)
 (sampling.position_uniforms), so its output is the same run to run whatever was
 drafted, batched beside it or preempted; unseeded requests draw at random. Logprobs of
@@ -43,6 +44,7 @@ import logging
 
 import torch
 
+from specplug.common.chains import verify_chains
 from specplug.common.request_rules import apply_rules
 from specplug.common.sampling import VerifyResult, position_uniforms, process_logits, verify
 from specplug.common.tree import chain_batch, pad_parents
@@ -203,10 +205,15 @@ class SpecplugChainSampler:
         "coupled" draws; rows whose drafts were drawn from q (self.draft_q) by rejection
         sampling with that q (Leviathan), which accepts more of such drafts."""
         drawn = {} if self.draft_q is None else self.draft_q(len(num_nodes), candidates, num_nodes)
+        chains = self.tree is None and not drawn  # verify_chains: verify() in a few ops
         if sampling_metadata.all_greedy:
+            if chains:
+                return verify_chains(candidates[:, 1:], num_nodes - 1, logits, "greedy")
             return verify(candidates, parents, logits, method="greedy", num_nodes=num_nodes)
         p = self._target_probs(logits, num_nodes, sampling_metadata, min_p_of(params))
         u = self._uniforms(params, candidates.shape[1] + 1)
+        if chains:
+            return verify_chains(candidates[:, 1:], num_nodes - 1, p, "coupled", u)
         if not drawn:
             return verify(candidates, parents, p, method="coupled", num_nodes=num_nodes, uniforms=u)
         rows = sorted(drawn)

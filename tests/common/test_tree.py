@@ -351,4 +351,9 @@ def test_chain_batch_is_an_engines_flat_chain_layout():
     assert batch.parents.tolist() == [[-1, 0, 1], [-1, -1, -1], [-1, 0, -1]]
     assert batch.num_nodes.tolist() == [3, 1, 2]
     assert T.is_chain(batch.parents[0]) and not T.is_chain(torch.tensor([-1, 0, 0]))
+    same = T.chain_batch([2, 2], torch.tensor([5, 6, 7, 8], dtype=torch.int32))  # one length: a reshape
+    assert same.candidates.tolist() == [[0, 5, 6], [0, 7, 8]] and same.candidates.dtype == torch.long
+    assert same.parents.tolist() == [[-1, 0, 1]] * 2 and same.num_nodes.tolist() == [3, 3]
+    none = T.chain_batch([0, 0], torch.zeros(0, dtype=torch.long))
+    assert none.candidates.tolist() == [[0], [0]] and none.parents.tolist() == [[-1], [-1]]
     assert T.pad_parents([torch.tensor([-1, 0, 0]), torch.tensor([-1])], 4).tolist() == [[-1, 0, 0, -1], [-1, -1, -1, -1]]
