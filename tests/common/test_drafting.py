@@ -2,12 +2,13 @@
 (drafting.runner.TorchHeadRunner), on the tiny Llama: a batched step equals one step per
 request, a catch-up after an engine roll-back equals never having seen the rolled-back
 rows, deferred rows equal catching up every step, the backlog cap drops the oldest rows,
-and forget frees finished requests."""
+forget frees finished requests, and a DraftCache's buffers hold exactly what copying
+would."""
 
 import pytest
 import torch
 
-from specplug.common.drafting.eagle import Committed, EagleDrafting
+from specplug.common.drafting.eagle import Committed, DraftCache, EagleDrafting
 from specplug.common.drafting.runner import Segment, TorchHeadRunner
 from specplug.common.tree import TreeConfig
 from tests.common.test_drafters import one_thread, random_eagle3_head, target, target_hidden  # noqa: F401
@@ -114,3 +115,30 @@ def test_forget_frees_what_the_engine_dropped(runner, hidden):
     drafting.defer([rows("b", hidden, 4, 5)])
     drafting.forget({"a"})
     assert set(drafting.caches) == {"a"} and not drafting.pending and drafting.length("b") == 0
+
+
+def test_draft_cache_buffers_equal_copies():
+    """Appends and roll-backs in any order leave key/value/positions equal to the
+    concatenate-and-slice reference; buffers grow by doubling, so 300 appends of 1-3
+    rows reallocate at most ~6 times and a roll-back reallocates nothing."""
+    gen = torch.Generator().manual_seed(0)
+    cache = DraftCache(torch.zeros(0, 3, 4), torch.zeros(0, 3, 4), torch.zeros(0, dtype=torch.long))
+    ref_key, ref_value, ref_pos = torch.zeros(0, 3, 4), torch.zeros(0, 3, 4), torch.zeros(0, dtype=torch.long)
+    capacities, position = set(), 0
+    for _ in range(300):
+        if position > 4 and torch.rand(1, generator=gen) < 0.3:  # the engine rejected the last few rows
+            position -= int(torch.randint(1, 4, (1,), generator=gen))
+            cache.truncate(position)
+            n = int((ref_pos < position).sum())
+            ref_key, ref_value, ref_pos = ref_key[:n], ref_value[:n], ref_pos[:n]
+        n = int(torch.randint(1, 4, (1,), generator=gen))
+        key, value = torch.randn(n, 3, 4, generator=gen), torch.randn(n, 3, 4, generator=gen)
+        positions = torch.arange(position, position + n)
+        cache.append(key, value, positions)
+        ref_key, ref_value = torch.cat([ref_key, key]), torch.cat([ref_value, value])
+        ref_pos, position = torch.cat([ref_pos, positions]), position + n
+        assert cache.length == ref_key.shape[0]
+        assert torch.equal(cache.key, ref_key) and torch.equal(cache.value, ref_value)
+        assert torch.equal(cache.positions, ref_pos)
+        capacities.add(cache.capacity)
+    assert all(c & (c - 1) == 0 for c in capacities) and len(capacities) <= 7

@@ -46,29 +46,58 @@ class Root(NamedTuple):
     value: torch.Tensor
 
 
-@dataclass
 class DraftCache:
-    """Dense head KV for one request: keys/values [length, kv_heads, head_dim] at the
-    committed positions Long [length] (ascending; a gap where a backlog was dropped).
-    Appending copies the cache: cheap for the contexts served here (a one-layer head's
-    KV), quadratic in very long ones."""
+    """Dense head KV for one request: `key`/`value` [length, kv_heads, head_dim] at the
+    committed positions `positions` Long [length] (ascending; a gap where a backlog was
+    dropped), views into buffers of power-of-two capacity. Appending writes in place;
+    a full buffer is copied into one twice its size, so a request's cache is reallocated
+    O(log length) times, in a few size classes, instead of copied every step (which left
+    the allocator's heap fragmented under load: docs/reliability.md)."""
 
-    key: torch.Tensor
-    value: torch.Tensor
-    positions: torch.Tensor
+    def __init__(self, key: torch.Tensor, value: torch.Tensor, positions: torch.Tensor):
+        self._key, self._value, self._positions = key, value, positions  # buffers [capacity, ...]
+        self.length = key.shape[0]
 
     @property
-    def length(self) -> int:
-        return self.key.shape[0]
+    def key(self) -> torch.Tensor:
+        return self._key[:self.length]
+
+    @property
+    def value(self) -> torch.Tensor:
+        return self._value[:self.length]
+
+    @property
+    def positions(self) -> torch.Tensor:
+        return self._positions[:self.length]
+
+    @property
+    def capacity(self) -> int:
+        return self._key.shape[0]
 
     def truncate(self, position: int) -> None:
         """Keep the entries before `position` (the engine rolled back the rest)."""
-        n = int(torch.searchsorted(self.positions, position))
-        self.key, self.value, self.positions = self.key[:n], self.value[:n], self.positions[:n]
+        self.length = int(torch.searchsorted(self.positions, position))
 
     def append(self, key: torch.Tensor, value: torch.Tensor, positions: torch.Tensor) -> None:
-        self.key, self.value = torch.cat([self.key, key]), torch.cat([self.value, value])
-        self.positions = torch.cat([self.positions, positions.to(self.positions.device)])
+        start, end = self.length, self.length + key.shape[0]
+        if end > self.capacity:
+            self._reserve(end)
+        self._key[start:end], self._value[start:end] = key, value
+        self._positions[start:end] = positions
+        self.length = end
+
+    def _reserve(self, rows: int) -> None:
+        """Buffers of the next power of two >= rows (at least 16), the entries copied over."""
+        capacity = max(16, 1 << (rows - 1).bit_length())
+        self._key, self._value, self._positions = (
+            _grown(t, capacity, self.length) for t in (self._key, self._value, self._positions))
+
+
+def _grown(buffer: torch.Tensor, capacity: int, length: int) -> torch.Tensor:
+    """A copy of buffer[:length] at the start of a new buffer of `capacity` rows."""
+    out = buffer.new_empty((capacity, *buffer.shape[1:]))
+    out[:length] = buffer[:length]
+    return out
 
 
 @dataclass
