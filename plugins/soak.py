@@ -488,6 +488,7 @@ def defaults(args) -> None:
     if not set(args.skip) < {m[0] for m in MIX}:
         raise ValueError(f"--skip {','.join(args.skip)}: expected some of {','.join(m[0] for m in MIX)}")
     args.log_dir = args.log_dir or tempfile.mkdtemp(prefix="specplug-soak-")
+    Path(args.log_dir).mkdir(parents=True, exist_ok=True)  # --log-dir need not exist yet
 
 
 def baseline_and_control(args, base: dict) -> tuple[list[dict] | None, list[dict]]:

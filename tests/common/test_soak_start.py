@@ -1,6 +1,7 @@
 """`specplug.soak.wait_healthy`: a server launched early (vLLM's first speculative server
 starts beside the baseline) is asked for /health even when its start-up deadline passed
-while the baseline ran; one that never answers is stopped and reported."""
+while the baseline ran; one that never answers is stopped and reported; `defaults` makes
+the log folder."""
 
 import threading
 import time
@@ -53,3 +54,10 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def test_a_log_dir_that_does_not_exist_yet_is_made(tmp_path):
+    args = SimpleNamespace(engine="vllm", model=str(tmp_path), head=str(tmp_path), configs="chain", skip="",
+                           log_dir=str(tmp_path / "new" / "logs"))
+    soak.defaults(args)
+    assert (tmp_path / "new" / "logs").is_dir()
