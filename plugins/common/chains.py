@@ -19,17 +19,11 @@ from __future__ import annotations
 
 import torch
 
-from specplug.common.sampling import DEFAULT_SUM_TOLERANCE, SUM_TOLERANCE, VerifyResult, sample_inverse_cdf
+from specplug.common.sampling import (
+    DEFAULT_SUM_TOLERANCE, SUM_TOLERANCE, VerifyResult, flat_node_rows, sample_inverse_cdf,
+)
 
 CHAIN_METHODS = ("greedy", "coupled")
-
-
-def chain_rows(num_nodes: torch.Tensor, width: int) -> torch.Tensor:
-    """Long [B, width]: the flat row of node j of request b (request-major layout, b's
-    num_nodes[b] rows consecutive); nodes past a chain's end repeat its last row."""
-    offsets = num_nodes.cumsum(0) - num_nodes  # [B]
-    node = torch.arange(width, device=num_nodes.device)
-    return offsets[:, None] + torch.minimum(node[None], num_nodes[:, None] - 1)
 
 
 def target_tokens(target: torch.Tensor, num_nodes: torch.Tensor, method: str,
@@ -82,5 +76,5 @@ def verify_chains(drafts: torch.Tensor, num_drafts: torch.Tensor, target: torch.
     if target.shape[0] != int(num_nodes.sum()):
         raise ValueError(f"target must hold sum(num_drafts + 1) = {int(num_nodes.sum())} rows, got {target.shape[0]}")
     flat = target_tokens(target, num_nodes.to(target.device), method, uniforms)  # [R]
-    tokens = flat.to(drafts.device)[chain_rows(num_nodes, drafts.shape[1] + 1)]  # [B, K + 1]
+    tokens = flat.to(drafts.device)[flat_node_rows(num_nodes, drafts.shape[1] + 1)]  # [B, K + 1]
     return accept_prefix(drafts.long(), num_drafts, tokens)

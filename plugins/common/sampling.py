@@ -303,6 +303,14 @@ class _Tree(NamedTuple):
     max_depth: int
 
 
+def flat_node_rows(num_nodes: torch.Tensor, width: int) -> torch.Tensor:
+    """Long [B, width]: the flat row of node j of request b (request-major layout, b's
+    num_nodes[b] rows consecutive); nodes past a request's last repeat its last row."""
+    offsets = num_nodes.cumsum(0) - num_nodes  # [B]
+    node = torch.arange(width, device=num_nodes.device)
+    return offsets[:, None] + torch.minimum(node[None], num_nodes[:, None] - 1)
+
+
 class _NodeRows:
     """Uniform access to per-node rows of [B, N, V] or flattened [sum(num_nodes), V]."""
 
@@ -312,9 +320,7 @@ class _NodeRows:
         bsz, n = tree.parents.shape
         self.batch = torch.arange(bsz, device=x.device)
         if self.flat:
-            offsets = tree.num_nodes.cumsum(0) - tree.num_nodes  # [B]
-            ids = torch.arange(n, device=x.device)
-            self.row = offsets.unsqueeze(1) + torch.minimum(ids, tree.num_nodes.unsqueeze(1) - 1)  # [B, N]
+            self.row = flat_node_rows(tree.num_nodes.to(x.device), n)  # [B, N]
 
     def per_node(self, fn):
         """fn reduces the vocab dim; result(s) laid out [B, N]."""
