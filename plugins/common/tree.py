@@ -681,9 +681,11 @@ def dynamic(
     _validate_dynamic(root_tokens, root_logprobs, depth, topk, budget)
     k = min(topk, root_logprobs.shape[-1])
     tokens, scores = _topk_children(root_logprobs.unsqueeze(1), k, token_map)  # [B, k]
+    if depth == 1 or _stops(scores, stop_below):
+        return _star(root_tokens, tokens, scores, min(budget, k))  # no expansion: the root's children
     front, tree_scores = _first_frontier(root_tokens, tokens, scores)
     for _ in range(1, depth):
-        if stop_below > 0 and float(tree_scores.gather(1, front.node_ids).max()) < math.log(stop_below):
+        if _stops(tree_scores.gather(1, front.node_ids), stop_below):
             break  # no frontier node is likely enough to be worth drafting children for
         logprobs = expand(front)
         if logprobs.shape[:2] != front.tokens.shape:
@@ -769,6 +771,23 @@ def _chain_frontier(front: Frontier, child_tokens: torch.Tensor) -> Frontier:
         expanded_mask=torch.cat([front.expanded_mask, _self_mask(bsz, width, child_tokens.device)], 2),
         positions=torch.full_like(slots, front.depth + 1),
     )
+
+
+def _stops(front_scores: torch.Tensor, stop_below: float) -> bool:
+    """Whether expansion stops: every frontier node's cumulative log-prob is below log(stop_below)."""
+    return stop_below > 0 and float(front_scores.max()) < math.log(stop_below)
+
+
+def _star(root_tokens, tokens, scores, keep: int) -> TreeBatch:
+    """The tree of depth 1: the root's first `keep` children (tokens, scores [B, k], best
+    first), what _rerank keeps of them (drafting order = rank order), without the frontier."""
+    bsz = tokens.shape[0]
+    dev = tokens.device
+    parents = torch.zeros(bsz, keep + 1, dtype=torch.long, device=dev)
+    parents[:, 0] = -1
+    return TreeBatch(torch.cat([root_tokens.view(bsz, 1), tokens[:, :keep]], 1), parents,
+                     torch.full((bsz,), keep + 1, dtype=torch.long, device=dev),
+                     torch.cat([scores.new_zeros(bsz, 1), scores[:, :keep]], 1))
 
 
 def _first_frontier(root_tokens, tokens, scores) -> tuple[Frontier, torch.Tensor]:

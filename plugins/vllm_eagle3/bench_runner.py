@@ -26,7 +26,9 @@ drafter). With `--self-spec-layers L`: `specplug-self-spec` (the same with specp
 `specplug-medusa` (stage "chain": the same chain through specplug's sampler) and
 `specplug-medusa-tree` (stage "tree": the heads' Medusa tree, num_speculative_tokens = its
 nodes). Tree settings come from the head's section with SPECPLUG_TREE applied, exactly
-as the proposer reads them.
+as the proposer reads them. A chain method followed by `:K` (`ngram:8`, `specplug:8`,
+`eagle3:6`) is the same method with `num_speculative_tokens` = K: chain lengths compared
+in one run (`chain_length`).
 """
 
 from __future__ import annotations
@@ -43,6 +45,25 @@ from specplug.vllm_eagle3.metrics import spec_decode_stats
 
 NGRAM_CONFIG = {"method": "ngram", "num_speculative_tokens": 4,
                 "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+
+
+TREE_METHODS = ("none", "specplug-tree", "specplug-hybrid-tree", "specplug-medusa-tree", "medusa")
+
+
+def chain_length(method: str) -> tuple[str, int | None]:
+    """"ngram:8" -> ("ngram", 8): a chain method with its num_speculative_tokens set to K;
+    "ngram" -> ("ngram", None). SystemExit on a K that is not an int >= 1, or on a method
+    whose draft count is not a chain length (none, the tree stages, vLLM's Medusa)."""
+    base, sep, k = method.partition(":")
+    if not sep:
+        return base, None
+    if not k.isdigit() or int(k) < 1:
+        raise SystemExit(f"specplug bench: {method!r}: the number after ':' is the chain length K, an int >= 1 "
+                         f"(e.g. {base}:8)")
+    if base in TREE_METHODS:
+        raise SystemExit(f"specplug bench: {method!r}: {base!r} takes no chain length (':K' applies to chain "
+                         f"methods such as ngram, eagle3, specplug)")
+    return base, int(k)
 
 
 def make_runner(args):
@@ -188,6 +209,13 @@ class VllmRunner:
         return ["none", "ngram"] + drafts + (specplug if self.head else []) + medusa
 
     def speculative_config(self, method: str) -> dict | None:
+        base, k = chain_length(method)
+        config = self._base_config(base)
+        if k is not None:
+            config = dict(config, num_speculative_tokens=k)
+        return config
+
+    def _base_config(self, method: str) -> dict | None:
         if method == "none":
             return None
         if method == "ngram":

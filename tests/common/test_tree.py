@@ -357,3 +357,26 @@ def test_chain_batch_is_an_engines_flat_chain_layout():
     none = T.chain_batch([0, 0], torch.zeros(0, dtype=torch.long))
     assert none.candidates.tolist() == [[0], [0]] and none.parents.tolist() == [[-1], [-1]]
     assert T.pad_parents([torch.tensor([-1, 0, 0]), torch.tensor([-1])], 4).tolist() == [[-1, 0, 0, -1], [-1, -1, -1, -1]]
+
+
+@pytest.mark.parametrize("budget", [1, 2, 3, 10])
+@pytest.mark.parametrize("shift", [0.0, 5.0])  # 5.0: unnormalised positive scores, all tied at the root's rank
+def test_dynamic_without_expansion_equals_the_general_rerank(budget, shift):
+    """A tree that stops at depth 1 (depth 1, or stop_below above every child) takes a
+    shortcut; it must equal what the general path (first frontier, then _rerank) keeps."""
+    gen = torch.Generator().manual_seed(int(budget + shift))
+    roots = torch.tensor([4, 9, 2])
+    logprobs = torch.log_softmax(torch.randn(3, VOCAB, generator=gen), -1) + shift
+    token_map = torch.arange(VOCAB) * 3 + 100
+    tokens, scores = T._topk_children(logprobs.unsqueeze(1), 3, token_map)
+    front, tree_scores = T._first_frontier(roots, tokens, scores)
+    want = T._rerank(front.tree_tokens, front.tree_parents, tree_scores, budget)
+
+    def never(front):
+        raise AssertionError("no expansion expected")
+
+    stops = [{"depth": 1, "stop_below": 0.0}] + ([{"depth": 4, "stop_below": 0.99}] if shift == 0.0 else [])
+    for kwargs in stops:  # (positive scores never fall below a stop_below)
+        got = T.dynamic(never, roots, logprobs, topk=3, budget=budget, token_map=token_map, **kwargs)
+        for name in ("candidates", "parents", "num_nodes", "scores"):
+            assert torch.equal(getattr(got, name), getattr(want, name)), (name, kwargs)

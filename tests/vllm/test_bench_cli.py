@@ -19,17 +19,17 @@ def test_bench_none_vs_ngram_is_lossless_and_reports_acceptance(tiny_llama_path,
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", OMP_NUM_THREADS="1",
                VLLM_CPU_KVCACHE_SPACE="1")
     cmd = [sys.executable, "-m", "specplug.cli", "bench", "--engine", "vllm",
-           "--model", str(tiny_llama_path), "--methods", "none,ngram", "--batch-sizes", "1,2",
+           "--model", str(tiny_llama_path), "--methods", "none,ngram:2", "--batch-sizes", "1,2",
            "--max-new-tokens", "24", "--num-prompts", "2", "--out", str(tmp_path), "--json"]
     subprocess.run(cmd, env=env, check=True, capture_output=True, text=True, timeout=600)
     report = json.loads((tmp_path / "bench.json").read_text())
     rows = {(r["method"], r["batch_size"]): r for r in report["results"]}
-    assert set(rows) == {("none", 1), ("none", 2), ("ngram", 1), ("ngram", 2)}
+    assert set(rows) == {("none", 1), ("none", 2), ("ngram:2", 1), ("ngram:2", 2)}
     for batch in (1, 2):
-        ngram = rows[("ngram", batch)]
+        ngram = rows[("ngram:2", batch)]
         assert ngram["identical_to_none"] == 1.0          # greedy: token-identical
         assert ngram["num_drafts"] > 0 and ngram["tau"] >= 1.0
-        assert len(ngram["acceptance_by_pos"]) == 4
+        assert len(ngram["acceptance_by_pos"]) == 2         # ":2": vLLM's ngram with K = 2
         assert rows[("none", batch)]["speedup"] == 1.0
     assert (tmp_path / "bench.png").stat().st_size > 0
 
@@ -63,17 +63,30 @@ def test_bench_interleaved_rounds_are_lossless_and_cover_every_prompt(tiny_llama
     head = tiny_head_dir(tiny_llama_path, specplug=SPECPLUG_CHAIN)
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", OMP_NUM_THREADS="1", VLLM_CPU_KVCACHE_SPACE="1")
     cmd = [sys.executable, "-m", "specplug.cli", "bench", "--engine", "vllm", "--model", str(tiny_llama_path),
-           "--head", str(head), "--methods", "ngram,none,specplug", "--interleave", "1", "--batch-sizes", "1",
+           "--head", str(head), "--methods", "ngram,ngram:2,none,specplug,specplug:2", "--interleave", "1", "--batch-sizes", "1",
            "--max-new-tokens", "16", "--num-prompts", "3", "--out", str(tmp_path), "--json"]
     subprocess.run(cmd, env=env, check=True, capture_output=True, text=True, timeout=600)
     report = json.loads((tmp_path / "bench.json").read_text())
     assert report["meta"]["interleave"] == 1
     rows = {r["method"]: r for r in report["results"]}
-    assert list(rows) == ["ngram", "none", "specplug"]
+    assert list(rows) == ["ngram", "ngram:2", "none", "specplug", "specplug:2"]
     for row in rows.values():
         assert row["num_prompts"] == 3 and len(row["rounds"]) == 3
         assert row["output_tokens"] == 3 * 16 == sum(tokens for tokens, _ in row["rounds"])
     assert rows["specplug"]["identical_to_none"] == 1.0 and rows["specplug"]["num_drafts"] > 0
     assert rows["ngram"]["identical_to_none"] == 1.0
+    for method in ("ngram:2", "specplug:2"):  # two chain lengths of one method, side by side
+        assert rows[method]["identical_to_none"] == 1.0 and len(rows[method]["acceptance_by_pos"]) == 2
     for method in rows:                                   # engine noise in a log per method
         assert (tmp_path / "logs" / f"vllm-{method}.log").stat().st_size > 0
+
+
+def test_chain_length_suffix_sets_k_and_refuses_what_is_not_a_chain():
+    from specplug.vllm_eagle3.bench_runner import chain_length
+
+    assert chain_length("specplug") == ("specplug", None)
+    assert chain_length("ngram:8") == ("ngram", 8)
+    for bad, says in (("ngram:0", "int >= 1"), ("ngram:x", "int >= 1"), ("specplug-tree:8", "no chain length"),
+                      ("none:4", "no chain length")):
+        with pytest.raises(SystemExit, match=says):
+            chain_length(bad)
