@@ -63,10 +63,14 @@ def register() -> None:
 
 def _fix_cpu_engine(runner_cls) -> None:
     """vLLM-CPU bugs that take a whole server down, fixed under the version guard
-    (engine_fixes.py): the seeded-request crash on chunked prefill."""
+    (engine_fixes.py): the seeded-request crash on chunked prefill; and oneDNN's
+    primitive cache bounded (specplug.common.memory.bound_onednn_cache: the heap grew for
+    minutes under load without it)."""
     from vllm.platforms import current_platform
 
     if current_platform.is_cpu():
+        from specplug.common import memory
+        memory.bound_onednn_cache()
         from specplug.vllm_eagle3.engine_fixes import keep_cpu_generators_on_discard
         keep_cpu_generators_on_discard(runner_cls)
 

@@ -91,7 +91,7 @@ class SpecplugEagleProposer(EagleProposer):
         self.clock = StepClock()  # the engine step between two propose calls (adaptive, gate)
         self.gate = DraftGate() if self.specplug.gate else None
         self.gated: dict = {}  # request -> expected accepted length of the chain handed vLLM last step
-        memory.trim_every(memory.trim_period(0.0))  # opt-in: SPECPLUG_MALLOC_TRIM_S (docs/reliability.md)
+        memory.from_environment()  # opt-in: SPECPLUG_MALLOC_TRIM_S, SPECPLUG_MEMORY_LOG_S (docs/reliability.md)
         self._log_active()
 
     def load_model(self, target_model):
