@@ -47,7 +47,8 @@ NGRAM_CONFIG = {"method": "ngram", "num_speculative_tokens": 4,
                 "prompt_lookup_max": 4, "prompt_lookup_min": 2}
 
 
-TREE_METHODS = ("none", "specplug-tree", "specplug-hybrid-tree", "specplug-medusa-tree", "medusa")
+# methods whose draft count is not a chain length: no speculation, tree stages, vLLM's Medusa (K = its heads)
+NO_CHAIN_LENGTH = ("none", "specplug-tree", "specplug-hybrid-tree", "specplug-medusa-tree", "medusa")
 
 
 def chain_length(method: str) -> tuple[str, int | None]:
@@ -60,7 +61,7 @@ def chain_length(method: str) -> tuple[str, int | None]:
     if not k.isdigit() or int(k) < 1:
         raise SystemExit(f"specplug bench: {method!r}: the number after ':' is the chain length K, an int >= 1 "
                          f"(e.g. {base}:8)")
-    if base in TREE_METHODS:
+    if base in NO_CHAIN_LENGTH:
         raise SystemExit(f"specplug bench: {method!r}: {base!r} takes no chain length (':K' applies to chain "
                          f"methods such as ngram, eagle3, specplug)")
     return base, int(k)
