@@ -183,12 +183,12 @@ def sweep(runner, methods: Sequence[str], prompts: Sequence[str], batch_sizes: S
     from tqdm import tqdm
 
     last = set(getattr(runner, "run_last", ()))
-    ordered = [m for m in methods if m.partition(":")[0] not in last] + \
-        [m for m in methods if m.partition(":")[0] in last]
-    if sum(m.partition(":")[0] in last for m in methods) > 1:
-        raise SystemExit(f"specplug bench: {', '.join(m for m in methods if m.partition(':')[0] in last)} "
-                         "cannot share one process (each breaks the next in-process engine); compare them "
-                         "with --interleave N, which runs every method in its own process")
+    late = [m for m in methods if m.partition(":")[0] in last]  # "ngram:8" runs late as "ngram" does
+    if len(late) > 1:
+        raise SystemExit(f"specplug bench: {', '.join(late)} cannot share one process (each breaks the next "
+                         "in-process engine); compare them with --interleave N, which runs every method in its "
+                         "own process")
+    ordered = [m for m in methods if m not in late] + late
     results = []
     with tqdm(total=len(ordered) * len(batch_sizes), desc=f"bench {runner.engine}", unit="run") as bar:
         for method in ordered:

@@ -75,6 +75,7 @@ def test_bench_interleaved_rounds_are_lossless_and_cover_every_prompt(tiny_llama
         assert row["output_tokens"] == 3 * 16 == sum(tokens for tokens, _ in row["rounds"])
     assert rows["specplug"]["identical_to_none"] == 1.0 and rows["specplug"]["num_drafts"] > 0
     assert rows["ngram"]["identical_to_none"] == 1.0
+    assert len(rows["ngram"]["acceptance_by_pos"]) == 4  # no suffix: the runner's K = 4
     for method in ("ngram:2", "specplug:2"):  # two chain lengths of one method, side by side
         assert rows[method]["identical_to_none"] == 1.0 and len(rows[method]["acceptance_by_pos"]) == 2
     for method in rows:                                   # engine noise in a log per method
