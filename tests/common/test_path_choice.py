@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from specplug.common.tree import TreeBatch
-from specplug.common.path_choice import best_chains, full_budget, pad_chains
+from specplug.common.path_choice import best_chain_paths, best_chains, full_budget, lengthen_chains, pad_chains
+from specplug.common.retrieval.drafter import RetrievalDrafter
 
 #             root  a    b    a->c  b->d  d->e
 CANDIDATES = [[9,   1,   2,   3,    4,    5]]
@@ -37,3 +38,60 @@ def test_pad_chains_repeats_the_last_token():
     chains = TreeBatch(torch.tensor([[9, 1, 2], [8, 0, 0]]), torch.tensor([[-1, 0, 1], [-1, -1, -1]]),
                        torch.tensor([3, 1]), None)
     assert pad_chains(chains, 4).tolist() == [[1, 2, 2, 2], [8, 8, 8, 8]]
+
+
+def test_best_chain_paths_counts_the_path_tokens():
+    chains, _, lengths = best_chain_paths(tree([1, .6, .3, .3, .27, .243]), 3)
+    assert chains.tolist() == [[1, 3, 3]] and lengths.tolist() == [2]
+
+
+def _retrieval(tokens):
+    drafter = RetrievalDrafter()
+    drafter.prefill("r", tokens)
+    return drafter
+
+
+def test_lengthen_chains_continues_the_path_after_the_committed_tokens():
+    # committed ... 5 6 7 8 ... 5 | path 6: the request's own tokens continue 6 with 7 8
+    drafter = _retrieval([5, 6, 7, 8, 2, 5])
+    chains = torch.tensor([[6, 6, 6, 6]])
+    out = lengthen_chains(drafter, ["r"], chains, torch.tensor([1]))
+    assert out.tolist() == [[6, 7, 8, 2]]
+    assert drafter.tokens("r") == [5, 6, 7, 8, 2, 5]  # state restored
+
+
+def test_lengthen_chains_keeps_full_paths_and_unknown_requests():
+    drafter = _retrieval([5, 6, 7, 8, 2, 5])
+    chains = torch.tensor([[6, 7, 8, 2], [3, 3, 3, 3]])
+    assert lengthen_chains(drafter, ["r", "other"], chains, torch.tensor([4, 1])).tolist() == chains.tolist()
+
+
+def test_lengthen_chains_repeats_the_continuations_last_token():
+    drafter = _retrieval([5, 6, 7, 5])  # path 6 -> context ... 5 6: continues with 7 5 6, then nothing
+    assert lengthen_chains(drafter, ["r"], torch.tensor([[6] * 6]), torch.tensor([1])).tolist() == [[6, 7, 5, 6, 6, 6]]
+
+
+def test_lengthen_chains_leaves_drafters_without_continuation_alone():
+    class Plain:
+        live = {"r": None}
+
+    chains = torch.tensor([[6, 6]])
+    assert lengthen_chains(Plain(), ["r"], chains, torch.tensor([1])) is chains
+
+
+def test_lengthen_chains_keeps_the_padding_where_nothing_continues():
+    drafter = _retrieval([5, 6, 7])
+    out = lengthen_chains(drafter, ["r"], torch.tensor([[9, 9, 9]]), torch.tensor([1]))
+    assert out.tolist() == [[9, 9, 9]] and drafter.tokens("r") == [5, 6, 7]
+
+
+def test_lengthen_chains_survives_a_failing_drafter():
+    class Broken(RetrievalDrafter):
+        def continuation(self, *args, **kwargs):
+            raise RuntimeError("boom")
+
+    drafter = Broken()
+    drafter.prefill("r", [5, 6, 7])
+    chains = torch.tensor([[6, 6]])
+    assert lengthen_chains(drafter, ["r"], chains, torch.tensor([1])).tolist() == [[6, 6]]
+    assert drafter.tokens("r") == [5, 6, 7]

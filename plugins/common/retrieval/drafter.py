@@ -44,6 +44,7 @@ class RetrievalDrafter:
 
     def __init__(self, config: RetrievalConfig = RetrievalConfig(), datastore: Datastore | None = None):
         self.config = config
+        self._fill_config = dataclasses.replace(config, min_prob=0.0)  # continuation(): every node
         self.datastore = datastore
         self.live: dict[Hashable, _Sequence] = {}
         self.cache = _RecentCache(config.cache_requests, config.cache_tokens)
@@ -223,6 +224,20 @@ class RetrievalDrafter:
             tokens, probs = best_path(conts, k, cfg, n)
             chains.append((tokens, list(range(len(tokens))), probs))
         return pack_trees(roots, chains)
+
+    def continuation(self, request_id: Hashable, path: Sequence[int], k: int) -> list[int]:
+        """The best chain of at most k tokens after the request's committed tokens followed
+        by `path` (drafts not yet verified), every node kept whatever its score (min_prob
+        0: it fills slots an engine verifies anyway); [] when nothing matches. The state
+        is restored: only committed tokens stay."""
+        seq = self._live(request_id)
+        have = len(seq.tokens)
+        seq.append(list(path))
+        try:
+            n, found = self._continuations(seq, k, self._datastore_ranges([seq])[0])
+            return best_path(found, k, self._fill_config, n)[0]
+        finally:
+            seq.truncate(have)
 
     def alone(self, request_ids: Sequence[Hashable], depth: int) -> torch.Tensor | None:
         """Long [B, depth]: each request's best chain (padded by its last token) when the
