@@ -52,7 +52,7 @@ def _retrieval(tokens):
 
 
 def test_lengthen_chains_continues_the_path_after_the_committed_tokens():
-    # committed ... 5 6 7 8 ... 5 | path 6: the request's own tokens continue 6 with 7 8
+    # committed 5 6 7 8 2 5 | path 6: the suffix "5 6" occurred before, followed by 7 8 2
     drafter = _retrieval([5, 6, 7, 8, 2, 5])
     chains = torch.tensor([[6, 6, 6, 6]])
     out = lengthen_chains(drafter, ["r"], chains, torch.tensor([1]))
