@@ -74,13 +74,14 @@ def lengthen_chains(drafter, request_ids, chains: torch.Tensor, lengths: torch.T
     nothing, never the step."""
     depth = chains.shape[1]
     continuation = getattr(drafter, "continuation", None)
-    short = [b for b, rid in enumerate(request_ids) if int(lengths[b]) < depth and rid in drafter.live]
+    lengths = lengths.tolist()  # [B] ints: read once, not one tensor index per row and use
+    short = [b for b, rid in enumerate(request_ids) if lengths[b] < depth and rid in drafter.live]
     if continuation is None or not short:
         return chains
     out = chains.clone()
     try:
         for b in short:
-            n = int(lengths[b])
+            n = lengths[b]
             more = continuation(request_ids[b], out[b, :n].tolist(), depth - n)
             if more:
                 out[b, n:n + len(more)] = torch.tensor(more)
