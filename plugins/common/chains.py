@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from specplug.common.sampling import (
-    DEFAULT_SUM_TOLERANCE, SUM_TOLERANCE, VerifyResult, flat_node_rows, sample_inverse_cdf,
+    DEFAULT_SUM_TOLERANCE, SUM_TOLERANCE, VerifyResult, first_argmax, flat_node_rows, sample_inverse_cdf,
 )
 
 CHAIN_METHODS = ("greedy", "coupled")
@@ -33,7 +33,7 @@ def target_tokens(target: torch.Tensor, num_nodes: torch.Tensor, method: str,
     the row's depth, uniforms[b, d] ("coupled"). Raises as `verify` does on NaN logits or
     rows that are not distributions."""
     if method == "greedy":
-        tokens = target.argmax(-1)  # [R]; a NaN is the maximum, so it shows at the argmax
+        tokens = first_argmax(target)  # [R]; a NaN is the maximum, so it shows at the argmax
         if bool(target.gather(1, tokens[:, None]).isnan().any()):
             raise ValueError("target_probs contains NaN: check the target's logits")
         return tokens

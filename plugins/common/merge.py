@@ -20,23 +20,27 @@ from specplug.common.tree import DraftTree, TreeBatch, stack_trees
 def merge_trees(sources: Sequence[TreeBatch], budget: int) -> TreeBatch:
     """Merge per-request trees of several sources (same batch order, same roots) into one
     TreeBatch of at most `budget` draft nodes per request; scores Float [B, N] log."""
+    _check_sources(sources)
+    return stack_trees([_merge_one(trees, budget) for trees in zip(*(requests(s) for s in sources))])
+
+
+def _check_sources(sources: Sequence[TreeBatch]) -> None:
     if not sources:
         raise ValueError("merge_trees needs at least one source tree batch")
     if any(s.scores is None for s in sources):
         raise ValueError("every source must carry scores (log estimated acceptance per node)")
-    return stack_trees([_merge_one([_request(s, b) for s in sources], budget)
-                        for b in range(len(sources[0].num_nodes))])
 
 
-def _request(batch: TreeBatch, b: int):
-    """(tokens, parents, log scores) lists of request b's real nodes."""
-    n = int(batch.num_nodes[b])
-    return (batch.candidates[b, :n].tolist(), batch.parents[b, :n].tolist(), batch.scores[b, :n].tolist())
+def requests(batch: TreeBatch) -> list[tuple[list, list, list]]:
+    """(tokens, parents, log scores) lists of each request's real nodes (one host copy
+    per field for the whole batch)."""
+    candidates, parents, scores = batch.candidates.tolist(), batch.parents.tolist(), batch.scores.tolist()
+    return [(candidates[b][:n], parents[b][:n], scores[b][:n]) for b, n in enumerate(batch.num_nodes.tolist())]
 
 
-def _merge_one(trees, budget: int) -> DraftTree:
-    """One request: trie of all paths with the max score, then the `budget` best nodes."""
-    root = trees[0][0][0]
+def trie(trees) -> dict[tuple, float]:
+    """Every distinct root path (a tuple of tokens; () the root) of one request's trees
+    [(tokens, parents, log scores)] with the best score any of them gives it."""
     nodes = {(): 0.0}  # path tokens -> best log score
     for tokens, parents, scores in trees:
         paths = [()]
@@ -44,12 +48,28 @@ def _merge_one(trees, budget: int) -> DraftTree:
             path = paths[parents[i]] + (tokens[i],)
             paths.append(path)
             nodes[path] = max(nodes.get(path, float("-inf")), scores[i])
-    kept = sorted((p for p in nodes if p), key=lambda p: (-nodes[p], len(p)))[:budget]
+    return nodes
+
+
+def ranked(nodes: dict[tuple, float], budget: int | None = None) -> list[tuple]:
+    """The `budget` best draft paths of a trie (None: all), best first, shallower first
+    on ties, each after its parent: a path ranked before its parent (a source broke
+    monotone scores) is dropped, never kept as an orphan. merge_trees numbers its nodes
+    in this order."""
+    kept, out = {()}, []
+    for path in sorted((p for p in nodes if p), key=lambda p: (-nodes[p], len(p)))[:budget]:
+        if path[:-1] in kept:
+            kept.add(path)
+            out.append(path)
+    return out
+
+
+def _merge_one(trees, budget: int) -> DraftTree:
+    """One request: trie of all paths with the max score, then the `budget` best nodes."""
+    nodes = trie(trees)
     index = {(): 0}
-    out_tokens, out_parents, out_scores = [root], [-1], [0.0]
-    for path in kept:  # parents come first: a parent's score >= its child's, ties shallower first
-        if path[:-1] not in index:  # a source broke monotone scores: never keep an orphan
-            continue
+    out_tokens, out_parents, out_scores = [trees[0][0][0]], [-1], [0.0]
+    for path in ranked(nodes, budget):
         index[path] = len(out_tokens)
         out_tokens.append(path[-1])
         out_parents.append(index[path[:-1]])

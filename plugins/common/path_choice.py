@@ -7,9 +7,12 @@ tree here, so both engines and every drafter choose paths the same way.
 from __future__ import annotations
 
 import logging
+import math
+from collections.abc import Sequence
 
 import torch
 
+from specplug.common import merge
 from specplug.common.tree import TreeBatch, path_reduce, tree_depths
 
 logger = logging.getLogger(__name__)
@@ -53,6 +56,26 @@ def best_chain_paths(trees: TreeBatch, depth: int) -> tuple[torch.Tensor, torch.
         chain[:, d] = trees.candidates.gather(1, node[:, None]).squeeze(1)
         node = torch.where(on_path, trees.parents.gather(1, node[:, None]).squeeze(1), node)
     return chain, best, length.clamp(max=depth)
+
+
+def best_merged_chains(sources: Sequence[TreeBatch], depth: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """best_chain_paths(merge_trees(sources, every node), depth), on the merged trie in
+    Python (merge.trie / merge.ranked): the same chains, expected lengths (float64 sums
+    here, so an exact float32 tie may break the other way) and path lengths, without
+    building the merged tree. At batch 1 the tensor route costs ~0.7 ms of small ops."""
+    chains, expected, lengths = [], [], []
+    for trees in zip(*(merge.requests(s) for s in sources)):
+        nodes = merge.trie(trees)
+        reach, best, best_path = {(): 0.0}, 0.0, ()
+        for path in merge.ranked(nodes):  # merge_trees' node order: the first maximum wins, as argmax
+            reach[path] = reach[path[:-1]] + math.exp(nodes[path])
+            if reach[path] > best:
+                best, best_path = reach[path], path
+        path = list(best_path[:depth]) or [trees[0][0][0]]  # no draft node: the root repeated
+        chains.append(path + [path[-1]] * (depth - len(path)))
+        expected.append(best)
+        lengths.append(min(len(best_path), depth))
+    return torch.tensor(chains, dtype=torch.long), torch.tensor(expected), torch.tensor(lengths, dtype=torch.long)
 
 
 def pad_chains(chains: TreeBatch, depth: int) -> torch.Tensor:

@@ -12,9 +12,8 @@ vLLM's built-in EAGLE drafts, up to the attention kernel's rounding.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
-from specplug.common.drafting.runner import DraftStep, Segment
+from specplug.common.drafting.runner import DraftStep, Segment, masked_attention
 
 
 class _DenseLayer:
@@ -46,8 +45,8 @@ class _DenseLayer:
         q, k = attn_layer.rotary_emb(positions, q, k)
         key = k.reshape(-1, self.num_kv_heads, self.head_dim)
         value = v.reshape(-1, self.num_kv_heads, self.head_dim)
-        attn = torch.cat([self._attend(q[seg.rows], torch.cat([seg.past_key, key[seg.rows]]),
-                                       torch.cat([seg.past_value, value[seg.rows]]), seg.mask)
+        attn = torch.cat([masked_attention(q[seg.rows], torch.cat([seg.past_key, key[seg.rows]]),
+                                            torch.cat([seg.past_value, value[seg.rows]]), seg.mask, self.scaling)
                           for seg in segments])
         out, _ = attn_layer.o_proj(attn)
         return out, key, value
@@ -57,16 +56,6 @@ class _DenseLayer:
         if logit_rows is not None:
             rows = rows[logit_rows]
         return torch.log_softmax(self.model.logits_processor(self.model.lm_head, rows).float(), dim=-1)
-
-    def _attend(self, q, keys, values, mask):
-        """q [T, heads*D]; keys/values [S+T, kv_heads, D]; mask [T, S+T] -> [T, heads*D]."""
-        t = q.shape[0]
-        q = q.view(t, self.num_heads, self.head_dim).transpose(0, 1)  # [heads, T, D]
-        groups = self.num_heads // self.num_kv_heads
-        k = keys.transpose(0, 1).repeat_interleave(groups, dim=0)  # [heads, S+T, D]
-        v = values.transpose(0, 1).repeat_interleave(groups, dim=0)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[None].to(q.device), scale=self.scaling)
-        return out.transpose(0, 1).reshape(t, self.num_heads * self.head_dim)
 
     def empty_kv(self) -> torch.Tensor:
         """A [0, kv_heads, head_dim] cache tensor in the head's dtype."""

@@ -43,7 +43,9 @@ from specplug.common import memory, token_drafters
 from specplug.common.drafting.eagle import Committed, EagleDrafting
 from specplug.common.drafting.sampled import SampledDrafts
 from specplug.common.merge import merge_trees
-from specplug.common.path_choice import best_chain_paths, best_chains, full_budget, lengthen_chains
+from specplug.common.path_choice import (
+    best_chain_paths, best_chains, best_merged_chains, full_budget, lengthen_chains,
+)
 from specplug.common.policy.calibration import HybridScale
 from specplug.common.policy.payoff import DraftGate
 from specplug.common.drafting.engine_layers import EngineTarget
@@ -244,8 +246,13 @@ class SpecplugEagleProposer(EagleProposer):
         tree = self.specplug.tree
         budget = full_budget(depth, tree.topk, roots[0].logprobs.shape[-1])
         trees = self.drafting.trees(roots, TreeConfig(depth, tree.topk, budget, tree.stop_below))
-        chains, expected, lengths = best_chain_paths(self._with_token_drafts(trees, req_ids, depth, budget=None),
-                                                     depth)
+        if self.token_drafter is None:
+            chains, expected, lengths = best_chain_paths(trees, depth)
+        elif self.scale is None:  # the merged tree's best path, straight from the trie
+            chains, expected, lengths = best_merged_chains([trees, self._token_trees(trees, req_ids, depth, None)],
+                                                           depth)
+        else:
+            chains, expected, lengths = best_chain_paths(self._with_token_drafts(trees, req_ids, depth, None), depth)
         if self.token_drafter is not None:
             chains = lengthen_chains(self.token_drafter, req_ids, chains, lengths)
         if self.scale is not None:
@@ -300,20 +307,23 @@ class SpecplugEagleProposer(EagleProposer):
     def _with_token_drafts(self, trees, req_ids, depth, budget):
         """The head's trees merged with the token drafter's (same roots) into one tree per
         request: `budget` best nodes (None: every node), its paths at most `depth` deep
-        (None: its own max_depth). For chains (`budget` None) it keeps nodes below its
-        min_prob too: vLLM verifies all `depth` slots whatever they hold, so a weak
-        continuation of the best path still beats padding it."""
+        (None: its own max_depth)."""
         if self.token_drafter is None:
             return trees
-        if budget is None:
-            found = draft_or_roots(self.token_drafter, req_ids, trees.candidates[:, 0], max_depth=depth,
-                                   min_prob=0.0, budget=max(self.token_drafter.budget, 2 * depth))
-        else:
-            found = draft_or_roots(self.token_drafter, req_ids, trees.candidates[:, 0], max_depth=depth)
+        found = self._token_trees(trees, req_ids, depth, budget)
         keep = budget if budget is not None else int(trees.num_nodes.max() + found.num_nodes.max())
         if self.scale is not None and budget is None:
             return self.scale.merge(req_ids, [trees, found], keep)
         return merge_trees([trees, found], keep)
+
+    def _token_trees(self, trees, req_ids, depth, budget):
+        """The token drafter's trees from the head trees' roots. For chains (`budget`
+        None) it keeps nodes below its min_prob too: vLLM verifies all `depth` slots
+        whatever they hold, so a weak continuation of the best path still beats padding it."""
+        if budget is None:
+            return draft_or_roots(self.token_drafter, req_ids, trees.candidates[:, 0], max_depth=depth,
+                                  min_prob=0.0, budget=max(self.token_drafter.budget, 2 * depth))
+        return draft_or_roots(self.token_drafter, req_ids, trees.candidates[:, 0], max_depth=depth)
 
     def _verified(self, num_draft_tokens, num_accepted):
         """The sampler's verify result, [B] drafts scheduled and accepted per batch row."""

@@ -3,13 +3,14 @@
 request, a catch-up after an engine roll-back equals never having seen the rolled-back
 rows, deferred rows equal catching up every step, the backlog cap drops the oldest rows,
 forget frees finished requests, and a DraftCache's buffers hold exactly what copying
-would."""
+would; masked_attention equals SDPA over repeated keys."""
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from specplug.common.drafting.eagle import Committed, DraftCache, EagleDrafting
-from specplug.common.drafting.runner import Segment, TorchHeadRunner
+from specplug.common.drafting.runner import Segment, TorchHeadRunner, masked_attention
 from specplug.common.tree import TreeConfig
 from tests.common.test_drafters import one_thread, random_eagle3_head, target, target_hidden  # noqa: F401
 
@@ -142,3 +143,23 @@ def test_draft_cache_buffers_equal_copies():
         assert torch.equal(cache.positions, ref_pos)
         capacities.add(cache.capacity)
     assert all(c & (c - 1) == 0 for c in capacities) and len(capacities) <= 7
+
+
+@pytest.mark.parametrize("heads,kv_heads,rows,past", [(9, 3, 1, 0), (9, 3, 5, 40), (4, 4, 3, 7), (8, 2, 16, 130)])
+def test_masked_attention_equals_sdpa_over_repeated_kv(heads, kv_heads, rows, past):
+    """Grouped-query attention under an arbitrary mask (each row sees itself) matches
+    SDPA over keys/values repeated to every query head."""
+    g = torch.Generator().manual_seed(rows * 1000 + past)
+    dim = 16
+    q = torch.randn(rows, heads * dim, generator=g)
+    keys, values = torch.randn(2, past + rows, kv_heads, dim, generator=g)
+    mask = torch.rand(rows, past + rows, generator=g) < 0.6
+    mask[:, past:] = torch.eye(rows, dtype=torch.bool)  # a tree: itself and (below) some ancestors
+    mask[:, past:] |= torch.rand(rows, rows, generator=g).tril(-1) < 0.5
+    groups = heads // kv_heads
+    expected = F.scaled_dot_product_attention(
+        q.view(rows, heads, dim).transpose(0, 1), keys.transpose(0, 1).repeat_interleave(groups, dim=0),
+        values.transpose(0, 1).repeat_interleave(groups, dim=0), attn_mask=mask[None], scale=0.3,
+    ).transpose(0, 1).reshape(rows, heads * dim)
+    got = masked_attention(q, keys, values, mask, 0.3)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)

@@ -5,8 +5,11 @@ import math
 import pytest
 import torch
 
-from specplug.common.tree import TreeBatch
-from specplug.common.path_choice import best_chain_paths, best_chains, full_budget, lengthen_chains, pad_chains
+from specplug.common.merge import merge_trees
+from specplug.common.tree import DraftTree, TreeBatch, stack_trees
+from specplug.common.path_choice import (
+    best_chain_paths, best_chains, best_merged_chains, full_budget, lengthen_chains, pad_chains,
+)
 from specplug.common.retrieval.drafter import RetrievalDrafter
 
 #             root  a    b    a->c  b->d  d->e
@@ -95,3 +98,34 @@ def test_lengthen_chains_survives_a_failing_drafter():
     chains = torch.tensor([[6, 6]])
     assert lengthen_chains(drafter, ["r"], chains, torch.tensor([1])).tolist() == [[6, 6]]
     assert drafter.tokens("r") == [5, 6, 7]
+
+
+def _random_source(rng: torch.Generator, root: int, nodes: int, vocab: int, depth: int) -> DraftTree:
+    """A scored tree at most `depth` deep: few tokens (so sources share paths), log
+    scores falling along each path, some of them -inf."""
+    parents, depths, tokens, scores = [-1], [0], [root], [0.0]
+    for _ in range(1, nodes):
+        open_nodes = [i for i, d in enumerate(depths) if d < depth]
+        parent = open_nodes[int(torch.randint(len(open_nodes), (1,), generator=rng))]
+        drop = float(torch.rand(1, generator=rng)) * 2 if float(torch.rand(1, generator=rng)) < 0.9 else float("inf")
+        parents.append(parent)
+        depths.append(depths[parent] + 1)
+        tokens.append(int(torch.randint(vocab, (1,), generator=rng)))
+        scores.append(scores[parent] - drop)
+    return DraftTree(tokens, parents, scores)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_best_merged_chains_equals_best_chain_paths_of_the_merged_tree(seed):
+    rng = torch.Generator().manual_seed(seed)
+    batch, depth = 1 + seed % 4, 1 + seed % 5
+    roots = torch.randint(50, (batch,), generator=rng).tolist()
+    sources = [stack_trees([_random_source(rng, r, 1 + int(torch.randint(9, (1,), generator=rng)), 3, depth)
+                            for r in roots])
+               for _ in range(2)]
+    merged = merge_trees(sources, int(sum(s.num_nodes.max() for s in sources)))
+    want = best_chain_paths(merged, depth)
+    got = best_merged_chains(sources, depth)
+    assert got[0].tolist() == want[0].tolist()
+    torch.testing.assert_close(got[1], want[1])
+    assert got[2].tolist() == want[2].tolist()

@@ -326,3 +326,28 @@ def test_output_tokens_when_no_request_has_drafts():
     p[0, 0, 3] = p[1, 0, 1] = 1.0
     res = S.verify(cands, parents, p, method="greedy")
     assert res.output_tokens(cands).tolist() == [[3], [1]]
+
+
+@pytest.mark.parametrize("vocab", [7, 4096, 4097, 49152, 50001])
+def test_first_argmax_is_torch_argmax(vocab):
+    """Random rows, ties within and across chunks, a max in the ragged last chunk, NaN."""
+    g = torch.Generator().manual_seed(vocab)
+    x = torch.randn(9, vocab, generator=g)
+    x[1, [3, vocab - 1]] = 50.0  # tie: the first index wins
+    x[2, vocab - 1] = 50.0  # the last column (past the whole chunks when ragged)
+    x[3, [vocab // 2, vocab // 2 + 1, 0]] = 50.0
+    x[4] = 0.0  # every column ties
+    x[5, vocab // 3] = float("nan")
+    x[6, [vocab - 2, vocab - 1]] = float("inf")
+    x[7] = float("-inf")
+    x = torch.cat([x, x.half().float()])  # rounding: many ties
+    assert torch.equal(S.first_argmax(x), x.argmax(-1))
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 6), st.integers(4097, 12000), st.integers(0, 2**31 - 1))
+def test_first_argmax_on_coarse_values(rows, vocab, seed):
+    """Values from a handful of levels: ties everywhere, the first index still wins."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(0, 4, (rows, vocab), generator=g).float()
+    assert torch.equal(S.first_argmax(x), x.argmax(-1))

@@ -42,23 +42,22 @@ def test_greedy_matches_no_speculation(engine, target, hybrid):
 
 
 def test_retrieval_candidates_reach_the_drafts(hybrid):
-    """Some drafted token sequences come from retrieval: drafting with the retrieval
-    drafter switched off for a step gives other drafts."""
+    """Retrieval offers candidates beside the head's in some steps (stage chain: the
+    merged trie's best path, path_choice.best_merged_chains; stage tree: the merged tree)."""
     drafter = drafter_of(hybrid)
     assert drafter.token_drafter is not None
-    found, merge = [], drafter._with_token_drafts
+    found, token_trees = [], drafter._token_trees
 
     def recording(trees, req_ids, depth, budget):
-        merged = merge(trees, req_ids, depth, budget)
-        found.append(not (merged.candidates.shape == trees.candidates.shape
-                          and bool((merged.candidates == trees.candidates).all())))
-        return merged
+        offered = token_trees(trees, req_ids, depth, budget)
+        found.append(bool((offered.num_nodes > 1).any()))
+        return offered
 
-    drafter._with_token_drafts = recording
+    drafter._token_trees = recording
     try:
         hybrid.generate(REPEATING, params(max_tokens=24, temperature=0.0), use_tqdm=False)
     finally:
-        del drafter._with_token_drafts
+        del drafter._token_trees
     assert any(found)
     assert len(drafter.token_drafter.cache) > 0  # finished requests joined the cache
 
