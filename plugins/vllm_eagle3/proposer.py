@@ -237,7 +237,8 @@ class SpecplugEagleProposer(EagleProposer):
 
     def _best_paths(self, roots, req_ids, depth):
         """Each root's best tree path, Long [len(roots), depth], and its expected accepted
-        length, Float [len(roots)] (path_choice.best_chain_paths). A path shorter than
+        length, Float [len(roots)] (path_choice.best_chain_paths; with a token drafter, of the
+        tree merged with its tree: best_merged_chains). A path shorter than
         `depth` (drafting stopped early: TreeConfig.stop_below) keeps the full length:
         vLLM-CPU's target step measured 36% slower when the chain length varied from step
         to step. With a token drafter its slots past the path hold the drafter's
