@@ -20,11 +20,12 @@ from specplug.common.tree import DraftTree, TreeBatch, stack_trees
 def merge_trees(sources: Sequence[TreeBatch], budget: int) -> TreeBatch:
     """Merge per-request trees of several sources (same batch order, same roots) into one
     TreeBatch of at most `budget` draft nodes per request; scores Float [B, N] log."""
-    _check_sources(sources)
+    check_sources(sources)
     return stack_trees([_merge_one(trees, budget) for trees in zip(*(requests(s) for s in sources))])
 
 
-def _check_sources(sources: Sequence[TreeBatch]) -> None:
+def check_sources(sources: Sequence[TreeBatch]) -> None:
+    """Refuse what no merge can use: no source, or a source without scores."""
     if not sources:
         raise ValueError("merge_trees needs at least one source tree batch")
     if any(s.scores is None for s in sources):

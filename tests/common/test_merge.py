@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from specplug.common.merge import merge_trees
+from specplug.common.path_choice import best_merged_chains
 from specplug.common.tree import TreeBatch, check_parents
 
 
@@ -67,3 +68,5 @@ def test_batches_merge_per_request():
 def test_sources_without_scores_are_refused():
     with pytest.raises(ValueError, match="scores"):
         merge_trees([HEAD._replace(scores=None)], budget=4)
+    with pytest.raises(ValueError, match="scores"):
+        best_merged_chains([HEAD._replace(scores=None)], 4)
