@@ -41,6 +41,7 @@ from sglang.srt.arg_groups.overrides import resolving_view
 from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode
 
 from specplug.common.drafting.eagle import Committed, EagleDrafting, Root
+from specplug.common.drafting import int8
 from specplug.common.drafting.runner import TorchHeadRunner
 from specplug.common.drafting.sampled import SampledDrafts, sampled_tree
 from specplug.common.merge import merge_trees
@@ -117,7 +118,19 @@ class Eagle3Worker(TreeVerifyWorker):
             lm_head = torch.nn.Linear(head.config.hidden_size, vocab, bias=False, device="meta")
             lm_head.weight = torch.nn.Parameter(view.lm_head_weight(self.model_runner)[:vocab], requires_grad=False)
             head.set_target_lm_head(lm_head)
+        if self.settings.head_int8:
+            self._use_int8_weights(head)
         return head
+
+    def _use_int8_weights(self, head) -> None:
+        """The section's "head_int8": an EAGLE-3 head's linears after fc with int8 weights."""
+        reason = "an EAGLE-1 head has no int8 path" if head.KIND != "EAGLE-3" else int8.swap_linears(
+            head, int8.EAGLE3_MODULES)
+        if reason is None:
+            logger.info("SPECPLUG_EAGLE3: head %s runs its linears with int8 weights (\"head_int8\")",
+                        self.settings.head_path)
+        else:
+            logger.warning("SPECPLUG_EAGLE3: \"head_int8\" is on but the head runs as loaded: %s", reason)
 
     def clear_cache_pool(self):
         self.drafting.free(list(self.drafting.caches))

@@ -16,6 +16,7 @@ the section's "retrieval" settings, or the defaults); `specplug-hybrid-calibrate
 (RetrievalConfig lengthen, prior LENGTHEN_PRIOR, fitted to own-sequence continuations);
 `specplug-hybrid-gated` is `specplug-hybrid` with the draft gate (`"gate": true`: a request's
 chain only where its expected accepted length pays for the verify, policy.payoff);
+`specplug-float-head` is `specplug` with the head's linears as loaded (`"head_int8": false`);
 `specplug-sampled` is the head's section with `"draft_temperature"` = --temperature:
 unseeded sampled requests get chains drawn from q, verified with q (use --unseeded). With `--draft-model DIR`: `draft_model`
 (vLLM's built-in draft-model chain, K = DRAFT_MODEL_K) and `specplug-draft-model` (stage
@@ -203,7 +204,7 @@ class VllmRunner:
     def methods(self) -> list[str]:
         specplug = ["eagle3", "specplug", "specplug-tree", "specplug-adaptive", "specplug-hybrid", "specplug-hybrid-tree",
                     "specplug-hybrid-skip", "specplug-hybrid-calibrated", "specplug-sampled", "specplug-hybrid-lengthen",
-                    "specplug-hybrid-gated"]
+                    "specplug-hybrid-gated", "specplug-float-head"]
         drafts = ["draft_model"] + (["specplug-draft-model"] if self.head else []) if self.draft_model else []
         drafts += ["specplug-self-spec"] if self.self_spec_layers and self.head else []
         medusa = ["medusa", "specplug-medusa", "specplug-medusa-tree"] if self.medusa_head else []
@@ -249,6 +250,10 @@ class VllmRunner:
             return {"method": "eagle3", "model": head, "num_speculative_tokens": tree.depth}
         if method == "specplug-hybrid-gated":
             head = hybrid_head(self.head, "chain", {"gate": True})
+            return {"method": "eagle3", "model": head, "num_speculative_tokens": tree.depth}
+        if method == "specplug-float-head":  # the head's section with its linears as loaded: "head_int8" off
+            head = _head_copy(self.head, "specplug-float-head-", lambda config: config.setdefault(
+                "specplug", {}).update(stage="chain", head_int8=False))
             return {"method": "eagle3", "model": head, "num_speculative_tokens": tree.depth}
         if method == "specplug-sampled":
             if self.temperature <= 0:

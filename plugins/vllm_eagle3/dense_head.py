@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from specplug.common.drafting import int8
 from specplug.common.drafting.runner import DraftStep, Segment, masked_attention
 
 
@@ -130,3 +131,64 @@ class DenseEagle1Head(_DenseLayer):
         out, residual = layer.post_attention_layernorm(out, x)
         r = layer.mlp(out) + residual
         return DraftStep(self._logprobs(r, logit_rows), r, key, value)
+
+
+class _Int8Method:
+    """vLLM's linear-method interface (`apply(layer, x, bias)`, what every vLLM linear
+    and the logits processor call) over a core int8 weight; anything else vLLM reads off
+    a layer's quant_method comes from the method it replaced."""
+
+    def __init__(self, weight: int8.Int8Weight, replaced):
+        self.weight, self.replaced = weight, replaced
+
+    def apply(self, layer, x, bias=None):
+        out = int8.int8_linear(x, self.weight)
+        return out if bias is None else out + bias
+
+    def __getattr__(self, name):
+        return getattr(self.replaced, name)
+
+
+def eagle3_linears(model) -> dict:
+    """The vLLM EAGLE-3 draft model's linear modules by role (int8.EAGLE3_LINEARS)."""
+    layer = model.model.layers[0]
+    return {"qkv": layer.self_attn.qkv_proj, "o": layer.self_attn.o_proj,
+            "gate_up": layer.mlp.gate_up_proj, "down": layer.mlp.down_proj, "lm_head": model.lm_head}
+
+
+def use_int8_weights(model, state) -> str | None:
+    """Run the EAGLE-3 draft model's linears after fc with int8 weights quantized from the
+    head's canonical state dict (vLLM-CPU keeps only its packed weights). Each is
+    first checked against the layer it replaces on random rows; on any mismatch (or
+    where int8 cannot run) nothing changes. Returns None when swapped, else why not."""
+    modules = eagle3_linears(model)
+    norm = model.model.layers[0].input_layernorm.weight  # norms are never packed
+    dtype = norm.dtype
+    weights = int8.eagle3_weights(state)
+    reason = int8.unsupported_reason(dtype, norm.device, [w.weight.shape[1] for w in weights.values()])
+    if reason is not None:
+        return reason
+    for role, module in modules.items():
+        reason = _int8_mismatch(role, module, weights[role], dtype)
+        if reason is not None:
+            return reason
+    for role, module in modules.items():
+        module.quant_method = _Int8Method(weights[role], module.quant_method)
+    return None
+
+
+def _int8_mismatch(role: str, module, weight: int8.Int8Weight, dtype) -> str | None:
+    """Why `weight` is not `module`'s weight (output width, or relative error on 3
+    random rows above int8.MAX_RELATIVE_ERROR), or None."""
+    n, k = weight.weight.shape
+    x = torch.randn(3, k, dtype=dtype)
+    try:
+        reference = module.quant_method.apply(module, x)[..., :n]  # an lm_head may be padded past n
+    except RuntimeError as exc:  # another input width
+        return f"vLLM's {role} does not take the int8 weight's {k} inputs ({exc})"
+    if reference.shape[-1] != n:
+        return f"the int8 {role} has {n} outputs, vLLM's layer {reference.shape[-1]}: not the same weights"
+    error = int8.relative_error(int8.int8_linear(x, weight), reference)
+    if error > int8.MAX_RELATIVE_ERROR:
+        return f"the int8 {role} differs from vLLM's layer (relative error {error:.3f}): not the same weights"
+    return None

@@ -54,8 +54,9 @@ def test_penalties_and_rules_match_no_speculation(eagle3, baseline):
     assert [o["output_ids"] for o in generate_ids(eagle3, PROMPTS[:4], RULES)] == baseline["rules"]
 
 
-def reference_run(target_dir, head_dir, prompts, tree) -> list:
-    """specplug's engine-free reference loop, greedy, with the head and tree SGLang uses."""
+def reference_run(target_dir, head_dir, prompts, tree, int8_weights=False) -> list:
+    """specplug's engine-free reference loop, greedy, with the head and tree SGLang uses
+    (its linears after fc with int8 weights, as "head_int8" runs them, if `int8_weights`)."""
     from transformers import AutoModelForCausalLM
 
     from specplug.common import reference
@@ -65,6 +66,10 @@ def reference_run(target_dir, head_dir, prompts, tree) -> list:
 
     target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
     head = load_head_module(head_dir)
+    if int8_weights:
+        from specplug.common.drafting import int8
+
+        assert int8.swap_linears(head, int8.EAGLE3_MODULES) is None
     if head.KIND == "EAGLE-1":
         head.set_target(target)  # its lm_head too
     else:

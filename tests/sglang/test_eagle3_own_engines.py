@@ -5,15 +5,21 @@ module-scoped engine alive at that moment would die, and its watchdog takes the 
 process with it.
 
 EAGLE-1 heads (the target's final hidden state, its lm_head) run through the same
-worker: greedy output equals no speculation and the reference loop, step for step."""
+worker: greedy output equals no speculation and the reference loop, step for step. So
+does an EAGLE-3 head with int8 weights ("head_int8"), against the reference loop
+running the same int8 head."""
 
 from tests.sglang.conftest import (
     GREEDY, PROMPTS, SAMPLE_PROMPT, SAMPLED, SAMPLES, assert_greedy_matches, generate_ids, greedy_run, sglang_engine,
 )
-from tests.sglang.test_eagle3_engine import ALGORITHM, assert_equals_reference, eagle3_head, reference_run  # noqa: F401
+from tests.sglang.test_eagle3_engine import (  # noqa: F401
+    ALGORITHM, TREE, assert_equals_reference, eagle3_head, reference_run,
+)
 from tests.sglang.test_medusa_engine import ALPHA, POSITIONS, homogeneity_pvalue
 from tests.support.tiny_eagle1 import eagle1_head_dir
-from tests.support.tiny_eagle3 import AGREE_TOKEN, TWO_DRAFT_TOKENS, constant_target_dir, two_token_head_dir
+from tests.support.tiny_eagle3 import (
+    AGREE_TOKEN, TWO_DRAFT_TOKENS, constant_target_dir, tiny_head_dir, two_token_head_dir,
+)
 
 EAGLE1_TREE = {"depth": 4, "topk": 2, "budget": 8}
 
@@ -28,6 +34,18 @@ def test_sampled_drafts_at_t08_match_no_speculation(sgl_model, eagle3_head, base
     assert all(o["meta_info"]["spec_verify_ct"] > 0 for o in outs)
     for position in POSITIONS:
         assert homogeneity_pvalue([o["output_ids"] for o in outs], baseline["sampled"], position) > ALPHA, position
+
+
+def test_int8_head_weights_match_no_speculation_and_the_int8_reference_loop(sgl_model, baseline):
+    """"head_int8": greedy output equals SGLang without speculation, and the reference
+    loop with the same int8 linears (drafting.int8.swap_linears) step for step, so the
+    worker drafted with int8 weights."""
+    head = tiny_head_dir(sgl_model, specplug={"version": 1, "method": "eagle3", "tree": TREE, "head_int8": True})
+    with sglang_engine(sgl_model, speculative_algorithm=ALGORITHM, speculative_draft_model_path=str(head)) as engine:
+        run = greedy_run(engine, PROMPTS, GREEDY)
+        outs = generate_ids(engine, PROMPTS, GREEDY)
+    assert assert_greedy_matches(run["ids"], baseline["greedy"]["ids"], baseline["greedy"]["gaps"]) == 0
+    assert assert_equals_reference(outs, reference_run(sgl_model, head, PROMPTS, TREE, int8_weights=True)) > 0
 
 
 def test_branching_trees_on_the_constant_target_equal_the_reference_loop():

