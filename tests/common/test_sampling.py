@@ -340,8 +340,12 @@ def test_first_argmax_is_torch_argmax(vocab):
     x[5, vocab // 3] = float("nan")
     x[6, [vocab - 2, vocab - 1]] = float("inf")
     x[7] = float("-inf")
+    x[8, [vocab // 4, vocab // 5]] = float("nan")  # two NaNs: the first wins
     x = torch.cat([x, x.half().float()])  # rounding: many ties
-    assert torch.equal(S.first_argmax(x), x.argmax(-1))
+    # numpy's argmax on a CPU (float32/64/16), the chunked path for bf16; strided rows too
+    for y in (x, x.bfloat16(), x.half(), x.double(), x[:, ::2]):
+        assert torch.equal(S.first_argmax(y), y.argmax(-1)), y.dtype
+    assert S.first_argmax(x[:0]).shape == (0,)
 
 
 @settings(max_examples=60, deadline=None)
