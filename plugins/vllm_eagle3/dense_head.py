@@ -156,15 +156,25 @@ def eagle3_linears(model) -> dict:
             "gate_up": layer.mlp.gate_up_proj, "down": layer.mlp.down_proj, "lm_head": model.lm_head}
 
 
-def use_int8_weights(model, state) -> str | None:
+def use_int8_weights(model, state, target_model=None) -> str | None:
     """Run the EAGLE-3 draft model's linears after fc with int8 weights quantized from the
-    head's canonical state dict (vLLM-CPU keeps only its packed weights). Each is
-    first checked against the layer it replaces on random rows; on any mismatch (or
-    where int8 cannot run) nothing changes. Returns None when swapped, else why not."""
+    head's canonical state dict (vLLM-CPU keeps only its packed weights). Never a layer
+    the target also runs (vLLM shares the target's lm_head with a head that has none):
+    that would change the target's logits. Each is first checked against the layer it
+    replaces on random rows; on any mismatch (or where int8 cannot run) nothing changes.
+    Returns None when swapped, else why not."""
     modules = eagle3_linears(model)
+    if target_model is not None:
+        targets = {id(m) for m in target_model.modules()}
+        shared = [role for role, module in modules.items() if id(module) in targets]
+        if shared:
+            return f"the head shares {shared} with the target, whose outputs int8 must not touch"
     norm = model.model.layers[0].input_layernorm.weight  # norms are never packed
     dtype = norm.dtype
-    weights = int8.eagle3_weights(state)
+    try:
+        weights = int8.eagle3_weights(state)
+    except ValueError as exc:  # e.g. a checkpoint without its own lm_head
+        return str(exc)
     reason = int8.unsupported_reason(dtype, norm.device, [w.weight.shape[1] for w in weights.values()])
     if reason is not None:
         return reason

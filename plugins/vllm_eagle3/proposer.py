@@ -99,7 +99,7 @@ class SpecplugEagleProposer(EagleProposer):
     def load_model(self, target_model):
         super().load_model(target_model)
         if self.specplug is not None and self.specplug.head_int8:
-            self._use_int8_weights()
+            self._use_int8_weights(target_model)
         if self.specplug is not None and self.token_drafter is not None:  # self_spec: the target's own layers
             token_drafters.bind_target(self.token_drafter, EngineTarget(
                 target_model, target_model.compute_logits, self.vllm_config.model_config.hf_text_config))
@@ -393,14 +393,14 @@ class SpecplugEagleProposer(EagleProposer):
         shifted[last] = torch.tensor([next_tokens[b] for b in rows], dtype=shifted.dtype)  # ... vLLM's next token last
         return rows, requests
 
-    def _use_int8_weights(self):
+    def _use_int8_weights(self, target_model):
         """The section's "head_int8": the EAGLE-3 head's linears with int8 weights, from
         its checkpoint (dense_head.use_int8_weights); where they cannot run, as loaded."""
         from specplug.common import formats
 
         head_dir = self.draft_model_config.model
         reason = "an EAGLE-1 head has no int8 path" if self.method != "eagle3" else use_int8_weights(
-            self.model, formats.load_head(head_dir).state_dict)
+            self.model, formats.load_head(head_dir).state_dict, target_model)
         if reason is None:
             logger.info("specplug: head %s runs its linears with int8 weights (\"head_int8\")", head_dir)
         else:

@@ -2,7 +2,8 @@
 (specplug.common.drafting.int8 through dense_head.use_int8_weights).
 
 Greedy output equals vLLM without speculation; the swap happens only for the head's own
-weights (another head's weights of the same shapes are refused, nothing changed)."""
+weights (another head's weights of the same shapes are refused, nothing changed) and
+never for a layer the target also runs."""
 
 from __future__ import annotations
 
@@ -44,6 +45,22 @@ def test_another_heads_weights_are_refused(engine, target):
     other = formats.load_head(tiny_head_dir(target, seed=7)).state_dict
     reason = use_int8_weights(model, other)
     assert reason is not None and "not the same weights" in reason
+    assert {role: m.quant_method for role, m in eagle3_linears(model).items()} == before
+
+
+def test_a_layer_the_target_shares_is_never_swapped(engine, target):
+    """vLLM gives a head without its own lm_head the target's: swapping it would change
+    the target's logits, so use_int8_weights refuses (here: a 'target' holding the
+    head's lm_head), and a state dict without an lm_head is refused, not an error."""
+    import torch
+
+    llm = engine(target, tiny_head_dir(target, specplug=SPECPLUG_CHAIN))
+    model = drafter_of(llm).model
+    before = {role: m.quant_method for role, m in eagle3_linears(model).items()}
+    state = formats.load_head(tiny_head_dir(target, specplug=SPECPLUG_CHAIN)).state_dict
+    reason = use_int8_weights(model, state, target_model=torch.nn.ModuleList([model.lm_head]))
+    assert reason is not None and "shares ['lm_head'] with the target" in reason
+    assert "lm_head.weight" in use_int8_weights(model, {k: v for k, v in state.items() if k != "lm_head.weight"})
     assert {role: m.quant_method for role, m in eagle3_linears(model).items()} == before
 
 
