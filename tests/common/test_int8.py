@@ -67,7 +67,8 @@ def test_eagle3_weights_fuse_in_the_engines_order():
     qkv = int8.dequantize(weights["qkv"])
     q, k = state["midlayer.self_attn.q_proj.weight"], state["midlayer.self_attn.k_proj.weight"]
     assert qkv.shape == (q.shape[0] + 2 * k.shape[0], q.shape[1])
-    assert torch.allclose(qkv[:q.shape[0]], q, atol=0.02) and torch.allclose(qkv[q.shape[0]:q.shape[0] + k.shape[0]], k, atol=0.02)
+    assert torch.allclose(qkv[:q.shape[0]], q, atol=0.02)
+    assert torch.allclose(qkv[q.shape[0]:q.shape[0] + k.shape[0]], k, atol=0.02)
     gate_up = int8.dequantize(weights["gate_up"])
     assert torch.allclose(gate_up[128:], state["midlayer.mlp.up_proj.weight"], atol=0.02)
 
