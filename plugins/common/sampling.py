@@ -190,9 +190,7 @@ def process_logits(logits: torch.Tensor, temperature=1.0, top_k=0, top_p=1.0, mi
 
 
 ARGMAX_CHUNK = 1024  # first_argmax: columns per chunk
-
-
-NUMPY_ARGMAX_DTYPES = (torch.float32, torch.float64, torch.float16)
+NUMPY_ARGMAX_DTYPES = (torch.float32, torch.float64, torch.float16)  # first_argmax: numpy's own argmax
 
 
 def first_argmax(x: torch.Tensor) -> torch.Tensor:

@@ -179,26 +179,10 @@ def use_int8_weights(model, state, target_model=None) -> str | None:
     if reason is not None:
         return reason
     for role, module in modules.items():
-        reason = _int8_mismatch(role, module, weights[role], dtype)
+        reason = int8.mismatch(f"vLLM's {role}", weights[role], lambda x, m=module: m.quant_method.apply(m, x), dtype)
         if reason is not None:
             return reason
     for role, module in modules.items():
         module.quant_method = _Int8Method(weights[role], module.quant_method)
     return None
 
-
-def _int8_mismatch(role: str, module, weight: int8.Int8Weight, dtype) -> str | None:
-    """Why `weight` is not `module`'s weight (output width, or relative error on 3
-    random rows above int8.MAX_RELATIVE_ERROR), or None."""
-    n, k = weight.weight.shape
-    x = torch.randn(3, k, dtype=dtype)
-    try:
-        reference = module.quant_method.apply(module, x)[..., :n]  # an lm_head may be padded past n
-    except RuntimeError as exc:  # another input width
-        return f"vLLM's {role} does not take the int8 weight's {k} inputs ({exc})"
-    if reference.shape[-1] != n:
-        return f"the int8 {role} has {n} outputs, vLLM's layer {reference.shape[-1]}: not the same weights"
-    error = int8.relative_error(int8.int8_linear(x, weight), reference)
-    if error > int8.MAX_RELATIVE_ERROR:
-        return f"the int8 {role} differs from vLLM's layer (relative error {error:.3f}): not the same weights"
-    return None

@@ -19,7 +19,7 @@ step (scale / 2) of w's.
 
 from __future__ import annotations
 
-from typing import Iterable, Mapping, NamedTuple
+from typing import Callable, Iterable, Mapping, NamedTuple
 
 import torch
 from torch import nn
@@ -136,23 +136,42 @@ class Int8Linear(nn.Module):
         return out if self.bias is None else out + self.bias
 
 
+def mismatch(name: str, weight: Int8Weight, layer: Callable[[torch.Tensor], torch.Tensor],
+             dtype: torch.dtype) -> str | None:
+    """Why `weight` cannot stand in for `layer` (a callable [3, K] -> [3, >= N]; an
+    engine's lm_head may be padded past N): it does not take K inputs, has another
+    output width, or is more than MAX_RELATIVE_ERROR off on 3 random rows (outlier
+    weights, or not the same weights). None when it can."""
+    n, k = weight.weight.shape
+    x = torch.randn(3, k, dtype=dtype)
+    try:
+        with torch.no_grad():
+            reference = layer(x)[..., :n]
+    except RuntimeError as exc:  # another input width
+        return f"{name} does not take the int8 weight's {k} inputs ({exc}): left as loaded"
+    if reference.shape[-1] != n:
+        return f"int8 {name} has {n} outputs, its layer {reference.shape[-1]}: not the same weights, left as loaded"
+    error = relative_error(int8_linear(x, weight), reference)
+    if error > MAX_RELATIVE_ERROR:
+        return (f"int8 {name} is {error:.3f} off its float layer (outlier weights, or not the same weights): "
+                "left as loaded")
+    return None
+
+
 def swap_linears(module: nn.Module, names: Iterable[str]) -> str | None:
-    """Replace `module`'s nn.Linear submodules `names` with Int8Linear copies. Each copy
-    is first checked against its linear on random rows (MAX_RELATIVE_ERROR); where one
-    fails or int8 cannot run, nothing changes. Returns None when swapped, else why not."""
+    """Replace `module`'s nn.Linear submodules `names` with Int8Linear copies, each first
+    checked against its linear (`mismatch`); where one fails or int8 cannot run, nothing
+    changes. Returns None when swapped, else why not."""
     linears = {name: module.get_submodule(name) for name in names}
     weight = next(iter(linears.values())).weight
     reason = unsupported_reason(weight.dtype, weight.device, [linear.in_features for linear in linears.values()])
     if reason is not None:
         return reason
-    swapped = {}
+    swapped = {name: Int8Linear(quantize(linear.weight), linear.bias) for name, linear in linears.items()}
     for name, linear in linears.items():
-        swapped[name] = Int8Linear(quantize(linear.weight), linear.bias)
-        x = torch.randn(3, linear.in_features, dtype=weight.dtype)
-        with torch.no_grad():
-            error = relative_error(swapped[name](x), linear(x))
-        if error > MAX_RELATIVE_ERROR:
-            return f"int8 {name} is {error:.3f} off its float layer (outlier weights): left as loaded"
+        reason = mismatch(name, swapped[name].int8, linear, weight.dtype)
+        if reason is not None:
+            return reason
     for name, linear in swapped.items():
         parent, _, child = name.rpartition(".")
         setattr(module.get_submodule(parent), child, linear)
