@@ -283,6 +283,21 @@ def test_a_later_request_drafts_from_an_earlier_output():
     assert tokens == [6, 0, 7] and probs == [1.0, 0.5, 0.5]
 
 
+def test_clear_cache_keeps_requests_live_then_out_of_the_cache():
+    """An engine frees a finished request at its next step, which may come after a caller
+    cleared the cache between two runs: that request never joins the new cache (else a
+    benchmark's second run of the same prompt would draft from the first one's output)."""
+    d = RetrievalDrafter(LOOSE)
+    d.prefill("first", [1, 2, 3, 4, 5, 6, 7])
+    d.clear_cache()
+    assert drafted(d, "first")[0][:1] == [7]  # still drafts from its own tokens while live
+    d.free("first")
+    assert "first" not in d.live and len(d.cache) == 0
+    d.prefill("first", [1, 2, 3])  # an id reused later is cached as usual
+    d.free("first")
+    assert len(d.cache) == 1
+
+
 def test_cache_is_bounded_and_evicts_the_oldest():
     d = RetrievalDrafter(RetrievalConfig(min_prob=0.0, cache_requests=2))
     for i, rid in enumerate(["a", "b", "c"]):

@@ -48,6 +48,7 @@ class RetrievalDrafter:
         self.datastore = datastore
         self.live: dict[Hashable, _Sequence] = {}
         self.cache = _RecentCache(config.cache_requests, config.cache_tokens)
+        self._before_clear: set[Hashable] = set()  # live at the last clear_cache: never cached
         logger.info("retrieval drafter: %s; datastore %s", dataclasses.asdict(config),
                     "none" if datastore is None else datastore.summary())
 
@@ -100,16 +101,22 @@ class RetrievalDrafter:
         sync_tokens(self, request_id, parts, len(self.live[request_id].tokens) if request_id in self.live else 0)
 
     def free(self, request_id: Hashable) -> None:
-        """The request finished: its sequence moves into the bounded cache (unknown ids: no-op)."""
+        """The request finished: its sequence moves into the bounded cache (unknown ids:
+        no-op), unless it was live at the last clear_cache."""
         seq = self.live.pop(request_id, None)
         if seq is None:
             logger.debug("free(%r): unknown request, nothing to do", request_id)
+        elif request_id in self._before_clear:
+            self._before_clear.discard(request_id)
         elif seq.tokens and self.config.cache_requests > 0 and self.config.cache_tokens > 0:
             self.cache.add(seq)
 
     def clear_cache(self) -> None:
-        """Forget the finished requests' sequences (live requests keep theirs)."""
+        """Forget the finished requests' sequences. Live requests keep theirs for drafting
+        but never join the cache: an engine may free a request only at its next step, after
+        a caller cleared the cache between two runs (the benchmark does)."""
         self.cache = _RecentCache(self.config.cache_requests, self.config.cache_tokens)
+        self._before_clear = set(self.live)
 
     def length(self, request_id: Hashable) -> int:
         return len(self._live(request_id).tokens)
