@@ -42,8 +42,7 @@ class PaddedTrees(NamedTuple):
 
 def pad_trees(trees: list[TreeRows], attn_metadata, block_size: int, kv_heads: int, groups: int,
               dtype: torch.dtype) -> PaddedTrees:
-    """Pad the step's trees (those with rows to recompute) into one PaddedTrees; the mask
-    is laid out as the scores of `_tree_rows` are (block, kv head, row, query group, slot)."""
+    """Pad the step's trees (those with rows to recompute) into one PaddedTrees."""
     seq_lens = [int(attn_metadata.seq_lens[t.batch_row]) for t in trees]
     width, height = -(-max(seq_lens) // block_size), max(len(t.rows) for t in trees)
     blocks = torch.zeros(len(trees), width, dtype=torch.long)
@@ -62,10 +61,16 @@ def pad_trees(trees: list[TreeRows], attn_metadata, block_size: int, kv_heads: i
         rows[i] = tree.root_row
         rows[i, :n] = tree.root_row + tree.rows
         valid[i, :n] = True
-    bias = torch.zeros(mask.shape, dtype=dtype).masked_fill_(~mask, float("-inf"))  # [T, R, nb * bs]
-    bias = bias.view(len(trees), height, 1, width, block_size).permute(0, 3, 2, 1, 4)[:, :, :, :, None]
-    bias = bias.expand(-1, -1, kv_heads, -1, groups, -1).reshape(-1, height * groups, block_size)
-    return PaddedTrees(blocks, bias, rows, valid)
+    return PaddedTrees(blocks, _score_bias(mask, block_size, kv_heads, groups, dtype), rows, valid)
+
+
+def _score_bias(mask: torch.Tensor, block_size: int, kv_heads: int, groups: int, dtype) -> torch.Tensor:
+    """Bool [T, R, nb * block_size] (row may attend key) -> additive bias [T * nb * kv_heads,
+    R * groups, block_size]: 0 or -inf, in the order _tree_rows scores (block, kv head, row, group)."""
+    trees, height, keys = mask.shape
+    bias = torch.zeros(mask.shape, dtype=dtype).masked_fill_(~mask, float("-inf"))
+    bias = bias.view(trees, height, 1, keys // block_size, block_size).permute(0, 3, 2, 1, 4)[:, :, :, :, None]
+    return bias.expand(-1, -1, kv_heads, -1, groups, -1).reshape(-1, height * groups, block_size)
 
 
 class TreeCPUAttentionImpl(CPUAttentionBackendImpl):
