@@ -93,9 +93,8 @@ class TreeCPUAttentionImpl(CPUAttentionBackendImpl):
     def _tree_rows(self, batch: PaddedTrees, query, kv_cache, output) -> None:
         """Overwrite the recomputed rows of output ([T, heads * D] or [T, heads, D]) with
         attention of query ([T, heads, D]) over context + ancestors: each tree's first nb
-        cache blocks are read whole (one copy) and scored per block, grouped-query
-        attention in two batched matmuls (what the boolean-mask SDPA over keys gathered
-        slot by slot computed, at about half the time per layer)."""
+        cache blocks are read whole (one copy) and scored per block with the step's bias,
+        grouped-query attention in two batched matmuls. Only valid rows are written."""
         trees, height = batch.rows.shape
         width = batch.blocks.shape[1]
         keys, values = paged_kv.blocks(kv_cache, batch.blocks.flatten())  # [T*nb, kvh, D, bs], [T*nb, kvh, bs, D]
