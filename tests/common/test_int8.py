@@ -140,6 +140,22 @@ def test_swap_linears_refuses_fc_like_outlier_rows():
     assert type(module.first) is torch.nn.Linear and type(module.proj) is torch.nn.Linear
 
 
+def test_swap_linears_checks_the_weights_not_the_bias():
+    """A linear with a bias (e.g. a Qwen head's qkv) is checked on its weights, as the
+    int8 kernel runs them (Int8Linear adds the same bias after): swapped, same outputs."""
+    torch.manual_seed(5)
+    module = torch.nn.Module()
+    module.qkv = torch.nn.Linear(128, 64, bias=True)
+    module.qkv.bias.data.fill_(3.0)  # large next to x @ W.T: a check that left it out would refuse
+    x = torch.randn(4, 128)
+    with torch.no_grad():
+        before = module.qkv(x)
+    assert int8.swap_linears(module, ["qkv"]) is None
+    assert isinstance(module.qkv, int8.Int8Linear)
+    with torch.no_grad():
+        assert int8.relative_error(module.qkv(x), before) < int8.MAX_RELATIVE_ERROR
+
+
 def test_head_int8_flag():
     assert not int8.head_int8_flag({}, {})
     assert int8.head_int8_flag({"head_int8": True}, {})
