@@ -4,8 +4,8 @@
 #   bench/train_sittings.sh OUT MINUTES SITTINGS -- ARGS...
 #
 # runs `specplug train ARGS --out OUT --minutes MINUTES` SITTINGS times (each later
-# sitting with --resume: same data order and LR schedule; an --init HEAD in ARGS starts
-# the first sitting only, the checkpoint holds it after), and after each copies the head
+# sitting with --resume: same data order and LR schedule; an --init HEAD (and --revocab)
+# in ARGS starts the first sitting only, the checkpoint holds it after), and after each copies the head
 # (config, weights, training.json) to OUT.snapshots/step-NNNNNN. Stops early when the
 # schedule is done. Pause it with `kill -STOP -PGID` (e.g. while benchmarking), go on
 # with `kill -CONT -PGID`; `kill -TERM` makes the sitting under way checkpoint and exit.
@@ -15,10 +15,10 @@ set -uo pipefail
 out=$1 minutes=$2 sittings=$3
 shift 4
 specplug=${SPECPLUG:-specplug}
-without_init() {  # ARGS less "--init HEAD" (a resumed sitting continues from its checkpoint)
+without_init() {  # ARGS less "--init HEAD" and --revocab (a resumed sitting continues from its checkpoint)
     args=()
     while [ $# -gt 0 ]; do
-        case $1 in --init) shift 2 ;; --init=*) shift ;; *) args+=("$1"); shift ;; esac
+        case $1 in --init) shift 2 ;; --init=*|--revocab) shift ;; *) args+=("$1"); shift ;; esac
     done
 }
 for i in $(seq 1 "$sittings"); do

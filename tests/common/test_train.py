@@ -300,6 +300,55 @@ def test_draft_vocab_is_the_most_frequent_ids_sorted_and_installed_together():
         E.install_draft_vocab(head, torch.tensor([3, 2, 5]), lm)
 
 
+def test_remap_draft_vocab_keeps_trained_rows_and_starts_new_ones_from_the_target():
+    """--revocab's move: ids in both vocabularies keep their trained rows, new ids take
+    the target's row, and d2t / t2d describe the new vocabulary (negative control: the
+    rows of a dropped id are gone)."""
+    from specplug.common.heads import Eagle3Config
+    head = Eagle3Head(Eagle3Config(hidden_size=8, intermediate_size=16, num_attention_heads=2,
+                                   num_key_value_heads=1, vocab_size=6, draft_vocab_size=3, target_hidden_size=8))
+    lm = torch.arange(48, dtype=torch.float32).reshape(6, 8)
+    E.install_draft_vocab(head, torch.tensor([0, 2, 4]), lm)
+    with torch.no_grad():
+        head.lm_head.weight.copy_(-torch.arange(24, dtype=torch.float32).reshape(3, 8))  # "trained" rows
+    trained = head.lm_head.weight.detach().clone()
+    assert E.coverage(head, torch.tensor([1, 0, 1, 0, 1, 5])) == pytest.approx(3 / 8)
+    kept = E.remap_draft_vocab(head, torch.tensor([2, 4, 5]), lm)
+    assert kept == 2
+    assert E.draft_token_ids(head).tolist() == [2, 4, 5]
+    assert head.t2d.tolist() == [False, False, True, False, True, True]
+    assert torch.equal(head.lm_head.weight[:2], trained[1:])  # ids 2 and 4: trained rows
+    assert torch.equal(head.lm_head.weight[2], lm[5])  # id 5: the target's row
+    assert not (head.lm_head.weight == trained[0]).all(dim=1).any()  # id 0's row dropped
+    assert E.coverage(head, torch.tensor([1, 0, 1, 0, 1, 5])) == pytest.approx(7 / 8)
+
+
+@pytest.mark.timeout(600)
+def test_revocab_moves_an_init_head_to_this_runs_vocabulary(trained, tiny_llama_path, tmp_path):
+    """--init HEAD --revocab on replies in other words: the run's head drafts every token
+    of the new replies, HEAD did not; without --init (or for Medusa) the flag is refused
+    before any work."""
+    folder = trained["eagle3"][1]
+    words = "alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima".split()
+    data = tmp_path / "words.jsonl"
+    rows = [{"conversations": [{"from": "human", "value": "spell " + words[i % 12]},
+                               {"from": "gpt", "value": " ".join(words[(i + j) % 12] for j in range(20))}]}
+            for i in range(40)]
+    data.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    from transformers import AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama_path)
+    replies = torch.tensor(sorted({t for r in rows for t in tokenizer(r["conversations"][1]["value"],
+                                                                      add_special_tokens=False)["input_ids"]}))
+    before = formats.load_head(folder).state_dict["t2d"].bool()
+    assert not before[replies].all()
+    out = tmp_path / "revocab"
+    T.train(_config("eagle3", tiny_llama_path, out, data, steps=2, init=str(folder), revocab=True))
+    assert formats.load_head(out).state_dict["t2d"].bool()[replies].all()
+    for kw in (dict(method="eagle3"), dict(method="medusa", init=str(folder))):
+        with pytest.raises(ValueError, match="--revocab"):
+            _config(kw.pop("method"), tiny_llama_path, tmp_path / "x", data, revocab=True, **kw)
+
+
 def test_ttt_mask_is_causal_then_diagonal():
     attn = torch.tensor([[1, 1, 1, 0]])
     mask = E.ttt_mask(attn, 2)  # [1, 4, 12]

@@ -2,10 +2,11 @@
 
 Draft vocabulary invariant (the SpecForge#534 bug made impossible): `install_draft_vocab`
 is the ONE place that sets `d2t`, `t2d` and the lm_head rows, all from the same sorted
-list of target ids, at head creation. Afterwards the mapping only travels inside the
-head's state_dict (checkpoint, resume, output); nothing re-derives it, and the loss
-reads its labels through the head's own `d2t` (`draft_token_ids`), so labels and
-lm_head rows cannot disagree.
+list of target ids, at head creation (or, with --revocab, when a trained head moves to a
+new vocabulary before its first step: `remap_draft_vocab`). Afterwards the mapping only
+travels inside the head's state_dict (checkpoint, resume, output); nothing re-derives
+it, and the loss reads its labels through the head's own `d2t` (`draft_token_ids`), so
+labels and lm_head rows cannot disagree.
 
 Training-time test (EAGLE-3 paper, §3): step j of a batch unrolls the head on its own
 output of step j-1. Row i of step j stands for draft position i + j: input token
@@ -67,6 +68,26 @@ def install_draft_vocab(head: Eagle3Head, token_ids: torch.Tensor, target_lm_hea
         head.lm_head.weight.copy_(target_lm_head[token_ids])
 
 
+def remap_draft_vocab(head: Eagle3Head, token_ids: torch.Tensor, target_lm_head: torch.Tensor) -> int:
+    """Move a trained head to the draft vocab `token_ids` (ascending target ids
+    [draft_vocab]) through install_draft_vocab; rows of ids it already drafted then get
+    their trained weights back, so only new ids start from the target's rows. Returns how
+    many rows were kept."""
+    old_ids = draft_token_ids(head)  # [draft_vocab], ascending
+    old_rows = head.lm_head.weight.detach().clone()  # [draft_vocab, H]
+    install_draft_vocab(head, token_ids, target_lm_head)
+    at = torch.searchsorted(old_ids, token_ids).clamp(max=old_ids.numel() - 1)  # [draft_vocab]
+    kept = old_ids[at] == token_ids
+    with torch.no_grad():
+        head.lm_head.weight[kept] = old_rows[at[kept]].to(head.lm_head.weight.dtype)
+    return int(kept.sum())
+
+
+def coverage(head: Eagle3Head, counts: torch.Tensor) -> float:
+    """Share of the counted tokens (token_counts) that the head's draft vocab holds."""
+    return float(counts[draft_token_ids(head)].sum()) / max(1, int(counts.sum()))
+
+
 def draft_token_ids(head: Eagle3Head) -> torch.Tensor:
     """Target id of each draft-vocab row, read from the head's own d2t: [draft_vocab]."""
     return head.to_target_ids(torch.arange(head.config.draft_vocab_size, device=head.d2t.device))
@@ -98,7 +119,8 @@ def build_head(target, samples, cfg: TrainConfig) -> Eagle3Head:
     tconf = target.config
     vocab = tconf.vocab_size
     size = min(cfg.draft_vocab_size, vocab)
-    ids = draft_vocab_ids(token_counts(samples, vocab), size)
+    counts = token_counts(samples, vocab)
+    ids = draft_vocab_ids(counts, size)
     layers = preflight(cfg, tconf)
     config = Eagle3Config.for_target(tconf, draft_vocab_size=size, aux_layer_ids=tuple(layers),
                                      specplug=specplug_section("eagle3"))
@@ -106,9 +128,8 @@ def build_head(target, samples, cfg: TrainConfig) -> Eagle3Head:
     _init_weights(head, target)
     install_draft_vocab(head, ids, target.get_output_embeddings().weight.detach().float())
     head.set_target_embedding(target.get_input_embeddings())
-    coverage = float(token_counts(samples, vocab)[ids].sum()) / max(1, sum(sum(s.loss_mask) for s in samples))
     logger.info("EAGLE-3 head: draft vocab %d of %d (covers %.1f%% of assistant tokens), aux layers %s",
-                size, vocab, 100 * coverage, list(layers))
+                size, vocab, 100 * coverage(head, counts), list(layers))
     return head.to(cfg.device)
 
 
@@ -188,9 +209,10 @@ def load_checkpoint(ckpt: Path, target, cfg: TrainConfig):
     return head.to(cfg.device), state
 
 
-def init_head(head_dir: Path, target, cfg: TrainConfig) -> Eagle3Head:
+def init_head(head_dir: Path, target, cfg: TrainConfig, samples=()) -> Eagle3Head:
     """A trained head to continue from (--init): its weights, draft vocabulary and aux
-    layers, float32 and trainable; ValueError when --aux-layers asks for others."""
+    layers, float32 and trainable; ValueError when --aux-layers asks for others. With
+    --revocab the draft vocabulary is rebuilt from `samples` (remap_draft_vocab)."""
     from specplug.common import formats
 
     head = formats.load_head_module(head_dir, target.config, dtype=torch.float32)
@@ -201,7 +223,24 @@ def init_head(head_dir: Path, target, cfg: TrainConfig) -> Eagle3Head:
     head.set_target_embedding(target.get_input_embeddings())
     logger.info("EAGLE-3 head from %s: draft vocab %d, aux layers %s", head_dir, head.config.draft_vocab_size,
                 list(layers))
+    if cfg.revocab:
+        _revocab(head, target, samples)
+    elif samples:
+        logger.info("its draft vocab covers %.1f%% of this data's reply tokens (--revocab rebuilds it from the "
+                    "data)", 100 * coverage(head, token_counts(samples, target.config.vocab_size)))
     return head.to(cfg.device).train()
+
+
+def _revocab(head: Eagle3Head, target, samples) -> None:
+    """--revocab: the draft vocab of the samples' most frequent reply tokens, logged with
+    the share of reply tokens it covers before and after."""
+    counts = token_counts(samples, target.config.vocab_size)
+    before = coverage(head, counts)
+    ids = draft_vocab_ids(counts, head.config.draft_vocab_size)
+    kept = remap_draft_vocab(head, ids, target.get_output_embeddings().weight.detach().float())
+    logger.info("--revocab: draft vocab rebuilt from the data: covers %.1f%% of reply tokens (was %.1f%%); "
+                "%d of %d rows kept their trained weights", 100 * coverage(head, counts), 100 * before, kept,
+                ids.numel())
 
 
 def save_output(head: Eagle3Head, out: Path, cfg: TrainConfig, state: dict, ctx) -> list[str]:

@@ -114,9 +114,10 @@ def head_config(heads: MedusaHeads) -> dict:
     return heads.config.to_dict()
 
 
-def init_head(head_dir: Path, target, cfg: TrainConfig) -> MedusaHeads:
+def init_head(head_dir: Path, target, cfg: TrainConfig, samples=()) -> MedusaHeads:
     """Trained heads to continue from (--init): their residual blocks, float32, the vocab
-    projections tied to the target's lm_head again; ValueError when --heads differs."""
+    projections tied to the target's lm_head again; ValueError when --heads differs.
+    (`samples` is EAGLE-3's, for --revocab; Medusa heads predict the whole vocabulary.)"""
     from specplug.common import formats
 
     if is_compact(head_dir):  # the committed form: residual blocks only

@@ -102,6 +102,7 @@ class TrainConfig:
     resume: bool = False
     overwrite: bool = False
     init: str | None = None
+    revocab: bool = False
     device: str = "cpu"
     regenerate: bool = False
     regen_temperature: float = 0.0
@@ -138,6 +139,10 @@ class TrainConfig:
         if self.init and self.resume:
             raise ValueError("--init and --resume exclude each other: --init starts a new run from a trained "
                              "head, --resume continues this run's checkpoint (which already holds --init's start)")
+        if self.revocab and not (self.init and self.method == "eagle3"):
+            raise ValueError("--revocab rebuilds an EAGLE-3 head's draft vocabulary from this run's data when it "
+                             "starts from a trained head: pass it with `specplug train eagle3 --init HEAD` (a new "
+                             "head takes its vocabulary from the data anyway)")
 
     @property
     def regen_batch(self) -> int:
@@ -601,7 +606,7 @@ def _start(cfg: TrainConfig, method, target, tokenizer, samples: list[Sample], o
     if cfg.resume:
         head, state = method.load_checkpoint(out / CHECKPOINT, target, cfg)
     elif cfg.init:
-        head, state = method.init_head(Path(cfg.init), target, cfg), {"step": 0, "losses": [], "seconds": 0.0}
+        head, state = method.init_head(Path(cfg.init), target, cfg, samples), {"step": 0, "losses": [], "seconds": 0.0}
     else:
         head, state = method.build_head(target, samples, cfg), {"step": 0, "losses": [], "seconds": 0.0}
     optimizer = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=cfg.lr,
@@ -731,6 +736,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "head) instead of from scratch: a new LR schedule over this run's data; its "
                              "draft vocabulary and shape come from HEAD; training.json adds HEAD's steps and "
                              "minutes to this run's in `total`")
+    parser.add_argument("--revocab", action="store_true",
+                        help="EAGLE-3 with --init: rebuild the draft vocabulary from this run's data (its "
+                             "--draft-vocab-size most frequent reply tokens); tokens HEAD already drafts keep "
+                             "their trained lm_head rows, new ones start from the target's. For a head whose "
+                             "vocabulary misses tokens the target often writes (the log prints both coverages)")
     parser.add_argument("--overwrite", action="store_true", help="replace a head or checkpoint in OUT")
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
 
@@ -758,7 +768,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         eval_tokens=args.eval_tokens,
         draft_vocab_size=args.draft_vocab_size, aux_layer_ids=aux, num_heads=args.heads,
         num_layers=args.num_layers, topk=args.topk, format=args.format, save_dtype=args.save_dtype,
-        resume=args.resume, overwrite=args.overwrite, init=args.init, device=args.device, regenerate=args.regenerate,
+        resume=args.resume, overwrite=args.overwrite, init=args.init, revocab=args.revocab, device=args.device, regenerate=args.regenerate,
         regen_temperature=args.regen_temperature, regen_batch_size=args.regen_batch_size, epochs=args.epochs,
         states_cache=not args.no_states_cache, states_cache_dir=args.states_cache, threads=args.threads,
         log_file=args.log_file, log_every=args.log_every)
