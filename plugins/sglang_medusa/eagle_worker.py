@@ -118,19 +118,19 @@ class Eagle3Worker(TreeVerifyWorker):
             lm_head = torch.nn.Linear(head.config.hidden_size, vocab, bias=False, device="meta")
             lm_head.weight = torch.nn.Parameter(view.lm_head_weight(self.model_runner)[:vocab], requires_grad=False)
             head.set_target_lm_head(lm_head)
-        if self.settings.head_int8:
-            self._use_int8_weights(head)
+        if self.settings.head_weights != "float":
+            self._use_quantized_weights(head, self.settings.head_weights)
         return head
 
-    def _use_int8_weights(self, head) -> None:
-        """The section's "head_int8": an EAGLE-3 head's linears after fc with int8 weights."""
-        reason = "an EAGLE-1 head has no int8 path" if head.KIND != "EAGLE-3" else int8.swap_linears(
-            head, int8.EAGLE3_MODULES)
+    def _use_quantized_weights(self, head, fmt: str) -> None:
+        """The section's "head_weights": an EAGLE-3 head's linears after fc with int8 or int4 weights."""
+        reason = f"an EAGLE-1 head has no {fmt} path" if head.KIND != "EAGLE-3" else int8.swap_linears(
+            head, int8.EAGLE3_MODULES, fmt)
         if reason is None:
-            logger.info("SPECPLUG_EAGLE3: head %s runs its linears with int8 weights (\"head_int8\")",
-                        self.settings.head_path)
+            logger.info("SPECPLUG_EAGLE3: head %s runs its linears with %s weights (\"head_weights\")",
+                        self.settings.head_path, fmt)
         else:
-            logger.warning("SPECPLUG_EAGLE3: \"head_int8\" is on but the head runs as loaded: %s", reason)
+            logger.warning("SPECPLUG_EAGLE3: \"head_weights\" is %s but the head runs as loaded: %s", fmt, reason)
 
     def clear_cache_pool(self):
         self.drafting.free(list(self.drafting.caches))

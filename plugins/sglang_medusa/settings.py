@@ -40,7 +40,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from specplug.common.drafting.int8 import head_int8_flag
+from specplug.common.drafting.int8 import head_weights
 from specplug.common.drafting.sampled import ENV_DRAFT_TEMPERATURE, draft_temperature
 from specplug.common.policy.adaptive import adaptive_flag
 from specplug.common.retrieval.config import ENV_RETRIEVAL, retrieval_override
@@ -274,7 +274,7 @@ class Eagle3Settings:
     tree: TreeConfig = TreeConfig()
     drafter: DrafterChoice | None = None  # hybrid drafting: a token drafter's trees merged with the head's
     draft_temperature: float | None = None  # batches with sampled requests: trees drawn from q at this temperature
-    head_int8: bool = False  # an EAGLE-3 head's linears with int8 weights (specplug.common.drafting.int8)
+    head_weights: str = "float"  # "int8" / "int4": an EAGLE-3 head's linears quantized (specplug.common.drafting)
 
     @property
     def num_nodes(self) -> int:
@@ -289,9 +289,9 @@ def eagle3_settings_from_server_args(cfg, environ=None) -> Eagle3Settings:
     (stop_below from there only), else TreeConfig's defaults. Hybrid drafting as in vLLM:
     the section's "retrieval" / "drafter", SPECPLUG_RETRIEVAL / SPECPLUG_DRAFTER
     overriding (token_drafters.drafter_choice). Sampled drafts: the section's
-    "draft_temperature", SPECPLUG_DRAFT_TEMPERATURE overriding; int8 head weights: the
-    section's "head_int8", SPECPLUG_HEAD_INT8 overriding. ValueError names the argument
-    and the fix."""
+    "draft_temperature", SPECPLUG_DRAFT_TEMPERATURE overriding; quantized head weights:
+    the section's "head_weights" (or the older "head_int8"), SPECPLUG_HEAD_WEIGHTS
+    overriding. ValueError names the argument and the fix."""
     environ = os.environ if environ is None else environ
     path = cfg.speculative_draft_model_path
     if not path or not (Path(path) / "config.json").is_file():
@@ -312,10 +312,10 @@ def eagle3_settings_from_server_args(cfg, environ=None) -> Eagle3Settings:
     except ValueError as exc:
         raise ValueError(f"{EAGLE3}: {exc}") from exc
     try:
-        int8_weights = head_int8_flag(section, environ)
+        weights = head_weights(section, environ)
     except (TypeError, ValueError) as exc:
         raise ValueError(f"{EAGLE3}: {exc}") from exc
-    return Eagle3Settings(str(path), tree, drafter, _draft_temperature(section, environ), int8_weights)
+    return Eagle3Settings(str(path), tree, drafter, _draft_temperature(section, environ), weights)
 
 
 def _draft_temperature(section: dict, environ, algorithm: str = EAGLE3) -> float | None:

@@ -16,7 +16,7 @@ the section's "retrieval" settings, or the defaults); `specplug-hybrid-calibrate
 (RetrievalConfig lengthen, prior LENGTHEN_PRIOR, fitted to own-sequence continuations);
 `specplug-hybrid-gated` is `specplug-hybrid` with the draft gate (`"gate": true`: a request's
 chain only where its expected accepted length pays for the verify, policy.payoff);
-`specplug-float-head` is `specplug` with the head's linears as loaded (`"head_int8": false`);
+`specplug-float-head` is `specplug` with the head's linears as loaded (`"head_weights": "float"`);
 `specplug-sampled` is the head's section with `"draft_temperature"` = --temperature:
 unseeded sampled requests get chains drawn from q, verified with q (use --unseeded). With `--draft-model DIR`: `draft_model`
 (vLLM's built-in draft-model chain, K = DRAFT_MODEL_K) and `specplug-draft-model` (stage
@@ -251,9 +251,9 @@ class VllmRunner:
         if method == "specplug-hybrid-gated":
             head = hybrid_head(self.head, "chain", {"gate": True})
             return {"method": "eagle3", "model": head, "num_speculative_tokens": tree.depth}
-        if method == "specplug-float-head":  # the head's section with its linears as loaded: "head_int8" off
+        if method == "specplug-float-head":  # the head's section with its linears as loaded
             head = _head_copy(self.head, "specplug-float-head-", lambda config: config.setdefault(
-                "specplug", {}).update(stage="chain", head_int8=False))
+                "specplug", {}).update(stage="chain", head_weights="float"))
             return {"method": "eagle3", "model": head, "num_speculative_tokens": tree.depth}
         if method == "specplug-sampled":
             if self.temperature <= 0:

@@ -133,16 +133,16 @@ class DenseEagle1Head(_DenseLayer):
         return DraftStep(self._logprobs(r, logit_rows), r, key, value)
 
 
-class _Int8Method:
+class _QuantMethod:
     """vLLM's linear-method interface (`apply(layer, x, bias)`, what every vLLM linear
-    and the logits processor call) over a core int8 weight; anything else vLLM reads off
-    a layer's quant_method comes from the method it replaced."""
+    and the logits processor call) over a core int8 or int4 weight; anything else vLLM
+    reads off a layer's quant_method comes from the method it replaced."""
 
-    def __init__(self, weight: int8.Int8Weight, replaced):
+    def __init__(self, weight, replaced):
         self.weight, self.replaced = weight, replaced
 
     def apply(self, layer, x, bias=None):
-        out = int8.int8_linear(x, self.weight)
+        out = self.weight.apply(x)
         return out if bias is None else out + bias
 
     def __getattr__(self, name):
@@ -156,26 +156,26 @@ def eagle3_linears(model) -> dict:
             "gate_up": layer.mlp.gate_up_proj, "down": layer.mlp.down_proj, "lm_head": model.lm_head}
 
 
-def use_int8_weights(model, state, target_model=None) -> str | None:
-    """Run the EAGLE-3 draft model's linears after fc with int8 weights quantized from the
-    head's canonical state dict (vLLM-CPU keeps only its packed weights). Never a layer
-    the target also runs (vLLM shares the target's lm_head with a head that has none):
-    that would change the target's logits. Each is first checked against the layer it
-    replaces on random rows; on any mismatch (or where int8 cannot run) nothing changes.
-    Returns None when swapped, else why not."""
+def use_quantized_weights(model, state, fmt: str = "int8", target_model=None) -> str | None:
+    """Run the EAGLE-3 draft model's linears after fc with weights of format `fmt` ("int8"
+    or "int4") quantized from the head's canonical state dict (vLLM-CPU keeps only its
+    packed weights). Never a layer the target also runs (vLLM shares the target's lm_head
+    with a head that has none): that would change the target's logits. Each is first
+    checked against the layer it replaces on random rows; on any mismatch (or where the
+    format cannot run) nothing changes. Returns None when swapped, else why not."""
     modules = eagle3_linears(model)
     if target_model is not None:
         targets = {id(m) for m in target_model.modules()}
         shared = [role for role, module in modules.items() if id(module) in targets]
         if shared:
-            return f"the head shares {shared} with the target, whose outputs int8 must not touch"
+            return f"the head shares {shared} with the target, whose outputs {fmt} must not touch"
     norm = model.model.layers[0].input_layernorm.weight  # norms are never packed
     dtype = norm.dtype
     try:
-        weights = int8.eagle3_weights(state)
+        weights = int8.eagle3_weights(state, fmt)
     except ValueError as exc:  # e.g. a checkpoint without its own lm_head
         return str(exc)
-    reason = int8.unsupported_reason(dtype, norm.device, [w.weight.shape[1] for w in weights.values()])
+    reason = int8.format_reason(fmt, dtype, norm.device, [w.shape for w in weights.values()])
     if reason is not None:
         return reason
     for role, module in modules.items():
@@ -183,6 +183,6 @@ def use_int8_weights(model, state, target_model=None) -> str | None:
         if reason is not None:
             return reason
     for role, module in modules.items():
-        module.quant_method = _Int8Method(weights[role], module.quant_method)
+        module.quant_method = _QuantMethod(weights[role], module.quant_method)
     return None
 

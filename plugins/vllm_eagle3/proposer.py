@@ -29,7 +29,7 @@ import torch
 from vllm.v1.spec_decode.eagle import EagleProposer
 
 from specplug.vllm_eagle3.adaptive import AdaptiveController, StepClock
-from specplug.vllm_eagle3.dense_head import DenseEagle1Head, DenseEagle3Head, use_int8_weights
+from specplug.vllm_eagle3.dense_head import DenseEagle1Head, DenseEagle3Head, use_quantized_weights
 from specplug.vllm_eagle3.runner_state import RunnerState
 from specplug.vllm_eagle3.sampler import SpecplugChainSampler, needs_chain
 from specplug.vllm_eagle3.settings import (
@@ -98,8 +98,8 @@ class SpecplugEagleProposer(EagleProposer):
 
     def load_model(self, target_model):
         super().load_model(target_model)
-        if self.specplug is not None and self.specplug.head_int8:
-            self._use_int8_weights(target_model)
+        if self.specplug is not None and self.specplug.head_weights != "float":
+            self._use_quantized_weights(target_model, self.specplug.head_weights)
         if self.specplug is not None and self.token_drafter is not None:  # self_spec: the target's own layers
             token_drafters.bind_target(self.token_drafter, EngineTarget(
                 target_model, target_model.compute_logits, self.vllm_config.model_config.hf_text_config))
@@ -393,18 +393,19 @@ class SpecplugEagleProposer(EagleProposer):
         shifted[last] = torch.tensor([next_tokens[b] for b in rows], dtype=shifted.dtype)  # ... vLLM's next token last
         return rows, requests
 
-    def _use_int8_weights(self, target_model):
-        """The section's "head_int8": the EAGLE-3 head's linears with int8 weights, from
-        its checkpoint (dense_head.use_int8_weights); where they cannot run, as loaded."""
+    def _use_quantized_weights(self, target_model, fmt: str):
+        """The section's "head_weights" (int8 or int4): the EAGLE-3 head's linears with
+        quantized weights, from its checkpoint (dense_head.use_quantized_weights); where
+        they cannot run, as loaded."""
         from specplug.common import formats
 
         head_dir = self.draft_model_config.model
-        reason = "an EAGLE-1 head has no int8 path" if self.method != "eagle3" else use_int8_weights(
-            self.model, formats.load_head(head_dir).state_dict, target_model)
+        reason = f"an EAGLE-1 head has no {fmt} path" if self.method != "eagle3" else use_quantized_weights(
+            self.model, formats.load_head(head_dir).state_dict, fmt, target_model)
         if reason is None:
-            logger.info("specplug: head %s runs its linears with int8 weights (\"head_int8\")", head_dir)
+            logger.info("specplug: head %s runs its linears with %s weights (\"head_weights\")", head_dir, fmt)
         else:
-            logger.warning("specplug: \"head_int8\" is on but the head runs as loaded: %s", reason)
+            logger.warning("specplug: \"head_weights\" is %s but the head runs as loaded: %s", fmt, reason)
 
     def _log_active(self):
         tree = self.specplug.tree

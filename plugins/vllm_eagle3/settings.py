@@ -20,9 +20,10 @@ candidates on measured acceptance (SPECPLUG_CALIBRATE overrides); `"draft_temper
 draws sampled requests' chains from the head's q at T, verified with q
 (SPECPLUG_DRAFT_TEMPERATURE overrides). `"gate": true` hands vLLM a request's chain only
 when its expected accepted length pays for the tokens it adds to the step
-(specplug.common.policy.payoff; SPECPLUG_GATE overrides; stage "chain"). `"head_int8": true`
-runs an EAGLE-3 head's linears with int8 weights (specplug.common.drafting.int8;
-SPECPLUG_HEAD_INT8 overrides).
+(specplug.common.policy.payoff; SPECPLUG_GATE overrides; stage "chain").
+`"head_weights": "int8"` or `"int4"` runs an EAGLE-3 head's linears with quantized weights
+(specplug.common.drafting.int8 / int4; the older `"head_int8": true` is "int8";
+SPECPLUG_HEAD_WEIGHTS overrides).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from specplug.common.policy.adaptive import ENV_ADAPTIVE as ENV_ADAPTIVE_OVERRIDE
-from specplug.common.drafting.int8 import head_int8_flag
+from specplug.common.drafting.int8 import head_weights
 from specplug.common.drafting.sampled import ENV_DRAFT_TEMPERATURE, draft_temperature
 from specplug.common.policy.adaptive import adaptive_flag, section_flag
 from specplug.common.policy.calibration import ENV_CALIBRATE
@@ -74,9 +75,11 @@ class AdapterSettings:
     gate: per request and step, drafts only where their expected accepted length pays
       for the tokens they add to the step, on step costs measured in this engine
       (specplug.common.policy.payoff.DraftGate); the others run a plain step. Stage "chain".
-    head_int8: the EAGLE-3 head's linears run with weight-only int8 (one scale per output
-      channel, specplug.common.drafting.int8) where the head is bf16 or fp32 on a CPU; drafts
-      only, so output is unchanged. Elsewhere (or for EAGLE-1) the head runs as loaded.
+    head_weights: "float" (as loaded), "int8" (one scale per output channel,
+      specplug.common.drafting.int8) or "int4" (groups of 64 inputs,
+      specplug.common.drafting.int4): the EAGLE-3 head's linears after fc run with
+      weight-only quantized weights where the head is bf16 or fp32 on a CPU; drafts only,
+      so output is unchanged. Elsewhere (or for EAGLE-1) the head runs as loaded.
     """
 
     tree: TreeConfig = TreeConfig()
@@ -87,7 +90,7 @@ class AdapterSettings:
     calibrate: bool = False
     draft_temperature: float | None = None
     gate: bool = False
-    head_int8: bool = False
+    head_weights: str = "float"
 
     def __post_init__(self):
         if self.verification != "lossless":
@@ -155,7 +158,7 @@ def adapter_settings(section: Mapping[str, Any], environ: Mapping[str, str] = os
         calibrate=section_flag(section, "calibrate", environ, ENV_CALIBRATE, "calibrated hybrid scores"),
         draft_temperature=draft_temperature(section, environ),
         gate=section_flag(section, "gate", environ, ENV_GATE, "the draft gate"),
-        head_int8=head_int8_flag(section, environ),
+        head_weights=head_weights(section, environ),
     )
 
 

@@ -110,12 +110,12 @@ def _logits(head):
 
 
 def test_swap_linears_runs_specplugs_own_head_in_int8():
-    """SGLang's SPECPLUG_EAGLE3 path: the head's linears after fc become Int8Linear, its
+    """SGLang's SPECPLUG_EAGLE3 path: the head's linears after fc become QuantLinear, its
     logits stay within a few percent, fc stays as loaded."""
     head = _head()
     before = _logits(head)
     assert int8.swap_linears(head, int8.EAGLE3_MODULES) is None
-    assert isinstance(head.lm_head, int8.Int8Linear) and isinstance(head.midlayer.mlp.up_proj, int8.Int8Linear)
+    assert isinstance(head.lm_head, int8.QuantLinear) and isinstance(head.midlayer.mlp.up_proj, int8.QuantLinear)
     assert isinstance(head.fc, torch.nn.Linear)
     assert int8.relative_error(_logits(head), before) < 0.03
 
@@ -123,7 +123,7 @@ def test_swap_linears_runs_specplugs_own_head_in_int8():
 def test_swap_linears_refuses_and_changes_nothing():
     narrow = _head(hidden=32)  # K = 32: the kernel's block rule
     assert "multiples of 64" in int8.swap_linears(narrow, int8.EAGLE3_MODULES)
-    assert not any(isinstance(m, int8.Int8Linear) for m in narrow.modules())
+    assert not any(isinstance(m, int8.QuantLinear) for m in narrow.modules())
 
 
 def test_swap_linears_refuses_fc_like_outlier_rows():
@@ -142,7 +142,7 @@ def test_swap_linears_refuses_fc_like_outlier_rows():
 
 def test_swap_linears_checks_the_weights_not_the_bias():
     """A linear with a bias (e.g. a Qwen head's qkv) is checked on its weights, as the
-    int8 kernel runs them (Int8Linear adds the same bias after): swapped, same outputs."""
+    int8 kernel runs them (QuantLinear adds the same bias after): swapped, same outputs."""
     torch.manual_seed(5)
     module = torch.nn.Module()
     module.qkv = torch.nn.Linear(128, 64, bias=True)
@@ -151,7 +151,7 @@ def test_swap_linears_checks_the_weights_not_the_bias():
     with torch.no_grad():
         before = module.qkv(x)
     assert int8.swap_linears(module, ["qkv"]) is None
-    assert isinstance(module.qkv, int8.Int8Linear)
+    assert isinstance(module.qkv, int8.QuantLinear)
     with torch.no_grad():
         assert int8.relative_error(module.qkv(x), before) < int8.MAX_RELATIVE_ERROR
 

@@ -54,9 +54,10 @@ def test_penalties_and_rules_match_no_speculation(eagle3, baseline):
     assert [o["output_ids"] for o in generate_ids(eagle3, PROMPTS[:4], RULES)] == baseline["rules"]
 
 
-def reference_run(target_dir, head_dir, prompts, tree, int8_weights=False) -> list:
+def reference_run(target_dir, head_dir, prompts, tree, weights="float") -> list:
     """specplug's engine-free reference loop, greedy, with the head and tree SGLang uses
-    (its linears after fc with int8 weights, as "head_int8" runs them, if `int8_weights`)."""
+    (its linears after fc with int8 or int4 weights, as "head_weights" runs them, if
+    `weights` says so)."""
     from transformers import AutoModelForCausalLM
 
     from specplug.common import reference
@@ -66,10 +67,10 @@ def reference_run(target_dir, head_dir, prompts, tree, int8_weights=False) -> li
 
     target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
     head = load_head_module(head_dir)
-    if int8_weights:
+    if weights != "float":
         from specplug.common.drafting import int8
 
-        assert int8.swap_linears(head, int8.EAGLE3_MODULES) is None
+        assert int8.swap_linears(head, int8.EAGLE3_MODULES, weights) is None
     if head.KIND == "EAGLE-1":
         head.set_target(target)  # its lm_head too
     else:

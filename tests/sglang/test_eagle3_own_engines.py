@@ -6,8 +6,11 @@ process with it.
 
 EAGLE-1 heads (the target's final hidden state, its lm_head) run through the same
 worker: greedy output equals no speculation and the reference loop, step for step. So
-does an EAGLE-3 head with int8 weights ("head_int8"), against the reference loop
-running the same int8 head."""
+does an EAGLE-3 head with int8 or int4 weights ("head_weights"), against the reference
+loop running the same quantized head."""
+
+import pytest
+
 
 from tests.sglang.conftest import (
     GREEDY, PROMPTS, SAMPLE_PROMPT, SAMPLED, SAMPLES, assert_greedy_matches, generate_ids, greedy_run, sglang_engine,
@@ -36,16 +39,18 @@ def test_sampled_drafts_at_t08_match_no_speculation(sgl_model, eagle3_head, base
         assert homogeneity_pvalue([o["output_ids"] for o in outs], baseline["sampled"], position) > ALPHA, position
 
 
-def test_int8_head_weights_match_no_speculation_and_the_int8_reference_loop(sgl_model, baseline):
-    """"head_int8": greedy output equals SGLang without speculation, and the reference
-    loop with the same int8 linears (drafting.int8.swap_linears) step for step, so the
-    worker drafted with int8 weights."""
-    head = tiny_head_dir(sgl_model, specplug={"version": 1, "method": "eagle3", "tree": TREE, "head_int8": True})
+@pytest.mark.parametrize("fmt, setting", [("int8", {"head_int8": True}), ("int4", {"head_weights": "int4"})])
+def test_quantized_head_weights_match_no_speculation_and_the_quantized_reference_loop(sgl_model, baseline, fmt,
+                                                                                        setting):
+    """"head_weights" (int8 through the older "head_int8"): greedy output equals SGLang
+    without speculation, and the reference loop with the same quantized linears
+    (drafting.int8.swap_linears) step for step, so the worker drafted with them."""
+    head = tiny_head_dir(sgl_model, specplug={"version": 1, "method": "eagle3", "tree": TREE, **setting})
     with sglang_engine(sgl_model, speculative_algorithm=ALGORITHM, speculative_draft_model_path=str(head)) as engine:
         run = greedy_run(engine, PROMPTS, GREEDY)
         outs = generate_ids(engine, PROMPTS, GREEDY)
     assert assert_greedy_matches(run["ids"], baseline["greedy"]["ids"], baseline["greedy"]["gaps"]) == 0
-    assert assert_equals_reference(outs, reference_run(sgl_model, head, PROMPTS, TREE, int8_weights=True)) > 0
+    assert assert_equals_reference(outs, reference_run(sgl_model, head, PROMPTS, TREE, weights=fmt)) > 0
 
 
 def test_branching_trees_on_the_constant_target_equal_the_reference_loop():

@@ -311,7 +311,7 @@ def test_bench_runs_stage_b_as_specplug_tree(target, tree_head, monkeypatch):
     gated = json.loads((Path(runner.speculative_config("specplug-hybrid-gated")["model"]) / "config.json").read_text())
     assert gated["specplug"]["gate"] is True and gated["specplug"]["retrieval"]
     float_head = json.loads((Path(runner.speculative_config("specplug-float-head")["model"]) / "config.json").read_text())
-    assert float_head["specplug"]["head_int8"] is False and float_head["specplug"]["stage"] == "chain"
+    assert float_head["specplug"]["head_weights"] == "float" and float_head["specplug"]["stage"] == "chain"
     for method, stage, tokens, adaptive in (("specplug", "chain", TREE["depth"], False),
                                             ("specplug-tree", "tree", BUDGET, False),
                                             ("specplug-adaptive", "chain", TREE["depth"], True)):

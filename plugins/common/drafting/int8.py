@@ -15,6 +15,10 @@ head's acceptance may move a little (measured in the same section).
 Invariant: `int8_linear(x, quantize(w))` equals `x @ dequantize(quantize(w)).T` up to
 rounding x to bf16, and every entry of `dequantize(quantize(w))` lies within half a
 step (scale / 2) of w's.
+
+This module also holds what both weight formats share (`int4` is the other): the head
+section's "head_weights", the EAGLE-3 roles, the check of a copy against its layer, and
+`swap_linears`.
 """
 
 from __future__ import annotations
@@ -24,9 +28,12 @@ from typing import Callable, Iterable, Mapping, NamedTuple
 import torch
 from torch import nn
 
+from specplug.common.drafting import int4
 from specplug.common.policy.adaptive import section_flag
 
-ENV_HEAD_INT8 = "SPECPLUG_HEAD_INT8"  # overrides a head section's "head_int8" (1 / 0)
+WEIGHT_FORMATS = ("float", "int8", "int4")  # a head section's "head_weights"
+ENV_HEAD_WEIGHTS = "SPECPLUG_HEAD_WEIGHTS"  # overrides "head_weights" (float / int8 / int4)
+ENV_HEAD_INT8 = "SPECPLUG_HEAD_INT8"  # the older switch: overrides a head section's "head_int8" (1 / 0)
 KERNEL_DTYPE = torch.bfloat16  # the activations' dtype inside the int8 kernel (fp32 there is 10x slower)
 ACTIVATION_DTYPES = (torch.bfloat16, torch.float32)
 K_MULTIPLE = 64  # torch 2.13's kernel reads K in blocks: K = 24, 40 crashed it (16, 48 did not); 64 is safe
@@ -57,10 +64,50 @@ class Int8Weight(NamedTuple):
     weight: torch.Tensor  # Int8 [N, K]
     scale: torch.Tensor  # bf16 [N]
 
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.weight.shape)
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        return int8_linear(x, self)
+
+    def max_relative_error(self) -> float:
+        return MAX_RELATIVE_ERROR
+
 
 def head_int8_flag(section: Mapping, environ: Mapping[str, str]) -> bool:
     """A head section's "head_int8" (default false), SPECPLUG_HEAD_INT8 overriding."""
     return section_flag(section, "head_int8", environ, ENV_HEAD_INT8, "int8 head weights")
+
+
+def head_weights(section: Mapping, environ: Mapping[str, str]) -> str:
+    """How a head's linears run: a section's "head_weights" (one of WEIGHT_FORMATS), else
+    its older "head_int8" (true = "int8"; default "float"); SPECPLUG_HEAD_WEIGHTS
+    overrides both, SPECPLUG_HEAD_INT8 the older switch."""
+    value = section.get("head_weights")
+    if value is not None and value not in WEIGHT_FORMATS:
+        raise ValueError(f"specplug \"head_weights\" in config.json must be one of {list(WEIGHT_FORMATS)}, "
+                         f"got {value!r}")
+    override = (environ.get(ENV_HEAD_WEIGHTS) or "").strip().lower()
+    if override:
+        if override not in WEIGHT_FORMATS:
+            raise ValueError(f"{ENV_HEAD_WEIGHTS} must be one of {list(WEIGHT_FORMATS)}, got {override!r}")
+        return override
+    if value is not None and not (environ.get(ENV_HEAD_INT8) or "").strip():
+        return value
+    return "int8" if head_int8_flag(section, environ) else "float"
+
+
+def quantizer(fmt: str) -> Callable[[torch.Tensor], "Int8Weight | int4.Int4Weight"]:
+    """The quantize function of weight format `fmt` ("int8" or "int4")."""
+    return {"int8": quantize, "int4": int4.quantize}[fmt]
+
+
+def format_reason(fmt: str, dtype: torch.dtype, device, shapes) -> str | None:
+    """Why weights of format `fmt` cannot run for these weight shapes [(N, K)], or None."""
+    if fmt == "int4":
+        return int4.unsupported_reason(dtype, device, shapes)
+    return unsupported_reason(dtype, device, [k for _, k in shapes])
 
 
 def unsupported_reason(dtype: torch.dtype, device: torch.device | str = "cpu", in_features=()) -> str | None:
@@ -107,13 +154,14 @@ def int8_linear(x: torch.Tensor, w: Int8Weight) -> torch.Tensor:
     return out.to(x.dtype).view(*x.shape[:-1], out.shape[-1])
 
 
-def eagle3_weights(state: Mapping[str, torch.Tensor]) -> dict[str, Int8Weight]:
-    """The EAGLE-3 head's linears {role: Int8Weight} (EAGLE3_LINEARS) from a canonical state dict."""
+def eagle3_weights(state: Mapping[str, torch.Tensor], fmt: str = "int8") -> dict:
+    """The EAGLE-3 head's linears {role: quantized weight} (EAGLE3_LINEARS) in format
+    `fmt` from a canonical state dict."""
     missing = [name for names in EAGLE3_LINEARS.values() for name in names if name not in state]
     if missing:
         raise ValueError(f"the head's state dict lacks {missing}: pass a canonical EAGLE-3 state dict "
                          "(specplug.common.formats.load_head(...).state_dict)")
-    return {role: quantize(torch.cat([state[n] for n in names])) for role, names in EAGLE3_LINEARS.items()}
+    return {role: quantizer(fmt)(torch.cat([state[n] for n in names])) for role, names in EAGLE3_LINEARS.items()}
 
 
 def relative_error(out: torch.Tensor, reference: torch.Tensor) -> float:
@@ -122,55 +170,59 @@ def relative_error(out: torch.Tensor, reference: torch.Tensor) -> float:
     return float((out.float() - reference).norm() / reference.norm().clamp(min=1e-12))
 
 
-class Int8Linear(nn.Module):
-    """An nn.Linear's forward over int8 weights (`swap_linears` puts it in the linear's place)."""
+class QuantLinear(nn.Module):
+    """An nn.Linear's forward over int8 or int4 weights (`swap_linears` puts it in the
+    linear's place)."""
 
-    def __init__(self, weight: Int8Weight, bias: torch.Tensor | None = None):
+    def __init__(self, weight, bias: torch.Tensor | None = None):
         super().__init__()
-        self.int8 = weight
+        self.quantized = weight  # Int8Weight or int4.Int4Weight
         self.bias = bias
-        self.in_features, self.out_features = weight.weight.shape[1], weight.weight.shape[0]
+        self.out_features, self.in_features = weight.shape
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = int8_linear(x, self.int8)
+        out = self.quantized.apply(x)
         return out if self.bias is None else out + self.bias
 
 
-def mismatch(name: str, weight: Int8Weight, layer: Callable[[torch.Tensor], torch.Tensor],
+def mismatch(name: str, weight, layer: Callable[[torch.Tensor], torch.Tensor],
              dtype: torch.dtype) -> str | None:
-    """Why `weight` cannot stand in for `layer` (a callable [3, K] -> [3, >= N]; an
-    engine's lm_head may be padded past N): it does not take K inputs, has another
-    output width, or is more than MAX_RELATIVE_ERROR off on 3 random rows (outlier
-    weights, or not the same weights). None when it can."""
-    n, k = weight.weight.shape
+    """Why `weight` (Int8Weight or int4.Int4Weight) cannot stand in for `layer` (a
+    callable [3, K] -> [3, >= N]; an engine's lm_head may be padded past N): it does not
+    take K inputs, has another output width, or is further than its format's
+    max_relative_error off on 3 random rows (outlier weights, or not the same weights).
+    None when it can."""
+    n, k = weight.shape
     x = torch.randn(3, k, dtype=dtype)
     try:
         with torch.no_grad():
             reference = layer(x)[..., :n]
     except RuntimeError as exc:  # another input width
-        return f"{name} does not take the int8 weight's {k} inputs ({exc}): left as loaded"
+        return f"{name} does not take the quantized weight's {k} inputs ({exc}): left as loaded"
     if reference.shape[-1] != n:
-        return f"int8 {name} has {n} outputs, its layer {reference.shape[-1]}: not the same weights, left as loaded"
-    error = relative_error(int8_linear(x, weight), reference)
-    if error > MAX_RELATIVE_ERROR:
-        return (f"int8 {name} is {error:.3f} off its float layer (outlier weights, or not the same weights): "
+        return (f"quantized {name} has {n} outputs, its layer {reference.shape[-1]}: not the same weights, "
+                "left as loaded")
+    error = relative_error(weight.apply(x), reference)
+    if error > weight.max_relative_error():
+        return (f"quantized {name} is {error:.3f} off its float layer (outlier weights, or not the same weights): "
                 "left as loaded")
     return None
 
 
-def swap_linears(module: nn.Module, names: Iterable[str]) -> str | None:
-    """Replace `module`'s nn.Linear submodules `names` with Int8Linear copies, each first
-    checked against its linear (`mismatch`); where one fails or int8 cannot run, nothing
-    changes. Returns None when swapped, else why not."""
+def swap_linears(module: nn.Module, names: Iterable[str], fmt: str = "int8") -> str | None:
+    """Replace `module`'s nn.Linear submodules `names` with QuantLinear copies in format
+    `fmt`, each first checked against its linear (`mismatch`); where one fails or the
+    format cannot run, nothing changes. Returns None when swapped, else why not."""
     linears = {name: module.get_submodule(name) for name in names}
     weight = next(iter(linears.values())).weight
-    reason = unsupported_reason(weight.dtype, weight.device, [linear.in_features for linear in linears.values()])
+    shapes = [tuple(linear.weight.shape) for linear in linears.values()]
+    reason = format_reason(fmt, weight.dtype, weight.device, shapes)
     if reason is not None:
         return reason
-    swapped = {name: Int8Linear(quantize(linear.weight), linear.bias) for name, linear in linears.items()}
+    swapped = {name: QuantLinear(quantizer(fmt)(linear.weight), linear.bias) for name, linear in linears.items()}
     for name, linear in linears.items():
-        reason = mismatch(name, swapped[name].int8, lambda x, w=linear.weight: nn.functional.linear(x, w),
-                          weight.dtype)  # the weights alone: Int8Linear adds the same bias after
+        reason = mismatch(name, swapped[name].quantized, lambda x, w=linear.weight: nn.functional.linear(x, w),
+                          weight.dtype)  # the weights alone: QuantLinear adds the same bias after
         if reason is not None:
             return reason
     for name, linear in swapped.items():
