@@ -5,8 +5,8 @@
 #
 # runs `specplug train ARGS --out OUT --minutes MINUTES` SITTINGS times (each later
 # sitting with --resume: same data order and LR schedule; an --init HEAD (and --revocab)
-# in ARGS starts the first sitting only, the checkpoint holds it after), and after each copies the head
-# (config, weights, training.json) to OUT.snapshots/step-NNNNNN. Stops early when the
+# in ARGS starts the first sitting only, the checkpoint holds it after), and after each
+# copies the head (config, weights, training.json) to OUT.snapshots/step-NNNNNN. Stops early when the
 # schedule is done. Pause it with `kill -STOP -PGID` (e.g. while benchmarking), go on
 # with `kill -CONT -PGID`; `kill -TERM` makes the sitting under way checkpoint and exit.
 # SPECPLUG (default: `specplug`) is the command to run.

@@ -606,7 +606,8 @@ def _start(cfg: TrainConfig, method, target, tokenizer, samples: list[Sample], o
     if cfg.resume:
         head, state = method.load_checkpoint(out / CHECKPOINT, target, cfg)
     elif cfg.init:
-        head, state = method.init_head(Path(cfg.init), target, cfg, samples), {"step": 0, "losses": [], "seconds": 0.0}
+        head = method.init_head(Path(cfg.init), target, cfg, samples)
+        state = {"step": 0, "losses": [], "seconds": 0.0}
     else:
         head, state = method.build_head(target, samples, cfg), {"step": 0, "losses": [], "seconds": 0.0}
     optimizer = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=cfg.lr,
@@ -768,7 +769,8 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         eval_tokens=args.eval_tokens,
         draft_vocab_size=args.draft_vocab_size, aux_layer_ids=aux, num_heads=args.heads,
         num_layers=args.num_layers, topk=args.topk, format=args.format, save_dtype=args.save_dtype,
-        resume=args.resume, overwrite=args.overwrite, init=args.init, revocab=args.revocab, device=args.device, regenerate=args.regenerate,
+        resume=args.resume, overwrite=args.overwrite, init=args.init, revocab=args.revocab, device=args.device,
+        regenerate=args.regenerate,
         regen_temperature=args.regen_temperature, regen_batch_size=args.regen_batch_size, epochs=args.epochs,
         states_cache=not args.no_states_cache, states_cache_dir=args.states_cache, threads=args.threads,
         log_file=args.log_file, log_every=args.log_every)
