@@ -172,12 +172,9 @@ def use_quantized_weights(model, state, fmt: str = "int8", target_model=None) ->
     norm = model.model.layers[0].input_layernorm.weight  # norms are never packed
     dtype = norm.dtype
     try:
-        weights = int8.eagle3_weights(state, fmt)
-    except ValueError as exc:  # e.g. a checkpoint without its own lm_head
+        weights = int8.eagle3_weights(state, fmt, dtype, norm.device)
+    except ValueError as exc:  # e.g. a checkpoint without its own lm_head, or widths the format cannot take
         return str(exc)
-    reason = int8.format_reason(fmt, dtype, norm.device, [w.shape for w in weights.values()])
-    if reason is not None:
-        return reason
     for role, module in modules.items():
         reason = int8.mismatch(f"vLLM's {role}", weights[role], lambda x, m=module: m.quant_method.apply(m, x), dtype)
         if reason is not None:

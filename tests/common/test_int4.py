@@ -59,6 +59,19 @@ def test_unsupported_reasons():
     assert "multiples of 16" in int4.unsupported_reason(torch.float32, "cpu", [(100, 64)])  # torch's packing refuses it
 
 
+def test_eagle3_weights_refuse_widths_the_int4_packing_cannot_take():
+    """The vLLM path quantizes a checkpoint's linears: an output width torch's int4
+    packing refuses (it raises, which at load time would stop the server) is a ValueError
+    with the reason before anything is quantized; the same state in int8 quantizes."""
+    from tests.common.test_int8 import _eagle3_state
+
+    state = _eagle3_state(vocab=100)  # lm_head N = 100: not a multiple of 16
+    with pytest.raises(ValueError, match="multiples of 16"):
+        int8.eagle3_weights(state, "int4")
+    assert int8.eagle3_weights(state, "int8")["lm_head"].shape == (100, 64)
+    assert isinstance(int8.eagle3_weights(_eagle3_state(), "int4")["lm_head"], int4.Int4Weight)
+
+
 def test_swap_linears_runs_specplugs_own_head_in_int4():
     """SGLang's SPECPLUG_EAGLE3 path with "head_weights": "int4": the head's linears after
     fc carry int4 weights and compute what the same head with the dequantized weights

@@ -154,14 +154,21 @@ def int8_linear(x: torch.Tensor, w: Int8Weight) -> torch.Tensor:
     return out.to(x.dtype).view(*x.shape[:-1], out.shape[-1])
 
 
-def eagle3_weights(state: Mapping[str, torch.Tensor], fmt: str = "int8") -> dict:
+def eagle3_weights(state: Mapping[str, torch.Tensor], fmt: str = "int8", dtype: torch.dtype = torch.float32,
+                   device: torch.device | str = "cpu") -> dict:
     """The EAGLE-3 head's linears {role: quantized weight} (EAGLE3_LINEARS) in format
-    `fmt` from a canonical state dict."""
+    `fmt` from a canonical state dict, for a head running in `dtype` on `device`.
+    ValueError, before anything is quantized, when the state dict lacks a linear or the
+    format cannot run (format_reason: int4's packing raises on widths it cannot take)."""
     missing = [name for names in EAGLE3_LINEARS.values() for name in names if name not in state]
     if missing:
         raise ValueError(f"the head's state dict lacks {missing}: pass a canonical EAGLE-3 state dict "
                          "(specplug.common.formats.load_head(...).state_dict)")
-    return {role: quantizer(fmt)(torch.cat([state[n] for n in names])) for role, names in EAGLE3_LINEARS.items()}
+    weights = {role: torch.cat([state[n] for n in names]) for role, names in EAGLE3_LINEARS.items()}
+    reason = format_reason(fmt, dtype, device, [tuple(w.shape) for w in weights.values()])
+    if reason is not None:
+        raise ValueError(reason)
+    return {role: quantizer(fmt)(w) for role, w in weights.items()}
 
 
 def relative_error(out: torch.Tensor, reference: torch.Tensor) -> float:
