@@ -20,6 +20,8 @@ from typing import NamedTuple
 
 import torch
 
+from specplug.common.drafting.int8 import platform_reason, rounded_up
+
 KERNEL_DTYPE = torch.bfloat16  # activations, scales and zero points inside the kernel
 GROUP = 64  # input columns sharing a scale and zero point
 N_MULTIPLE = 16  # torch's packing refuses other output widths
@@ -45,10 +47,9 @@ class Int4Weight(NamedTuple):
 def unsupported_reason(dtype: torch.dtype, device: torch.device | str = "cpu", shapes=()) -> str | None:
     """Why int4 weights cannot run for activations of `dtype` on `device` with these
     weight shapes [(N, K)], or None."""
-    if torch.device(device).type != "cpu":
-        return f"int4 head weights run on a CPU only (the head is on {device})"
-    if dtype not in (torch.bfloat16, torch.float32):
-        return f"int4 head weights need a bf16 or fp32 head (this one is {dtype})"
+    reason = platform_reason("int4", dtype, device)
+    if reason is not None:
+        return reason
     if not hasattr(torch, "_weight_int4pack_mm_for_cpu"):
         return f"torch {torch.__version__} has no _weight_int4pack_mm_for_cpu"
     odd = sorted({(n, k) for n, k in shapes if k % GROUP or n % N_MULTIPLE})
@@ -74,17 +75,10 @@ def levels(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
     n, k = weight.shape
     w = weight.detach().float().view(n, k // GROUP, GROUP)
     low, high = w.amin(-1), w.amax(-1)  # [N, G]
-    scale = _rounded_up(((high - low) / LEVELS).clamp(min=torch.finfo(KERNEL_DTYPE).tiny))
+    scale = rounded_up(((high - low) / LEVELS).clamp(min=torch.finfo(KERNEL_DTYPE).tiny), KERNEL_DTYPE)
     zero = (low + 8 * scale.float()).to(KERNEL_DTYPE)  # the kernel's w = (q - 8) * scale + zero
     q = torch.round((w - zero.float()[..., None]) / scale.float()[..., None] + 8).clamp(0, LEVELS)
     return q.to(torch.int32), scale, zero
-
-
-def _rounded_up(scale: torch.Tensor) -> torch.Tensor:
-    """Float -> the smallest KERNEL_DTYPE values >= it."""
-    out = scale.to(KERNEL_DTYPE)
-    low = out.float() < scale
-    return torch.where(low, torch.nextafter(out, torch.full_like(out, float("inf"))), out)
 
 
 def int4_linear(x: torch.Tensor, w: Int4Weight) -> torch.Tensor:

@@ -17,8 +17,8 @@ rounding x to bf16, and every entry of `dequantize(quantize(w))` lies within hal
 step (scale / 2) of w's.
 
 This module also holds what both weight formats share (`int4` is the other): the head
-section's "head_weights", the EAGLE-3 roles, the check of a copy against its layer, and
-`swap_linears`.
+section's "head_weights", the platform check and rounded-up bf16 scales, the EAGLE-3
+roles, the check of a copy against its layer, and `swap_linears`.
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ from typing import Callable, Iterable, Mapping, NamedTuple
 import torch
 from torch import nn
 
-from specplug.common.drafting import int4
 from specplug.common.policy.adaptive import section_flag
 
 WEIGHT_FORMATS = ("float", "int8", "int4")  # a head section's "head_weights"
@@ -100,24 +99,37 @@ def head_weights(section: Mapping, environ: Mapping[str, str]) -> str:
 
 def quantizer(fmt: str) -> Callable[[torch.Tensor], "Int8Weight | int4.Int4Weight"]:
     """The quantize function of weight format `fmt` ("int8" or "int4")."""
+    from specplug.common.drafting import int4  # int4 reads this module's shared helpers
+
     return {"int8": quantize, "int4": int4.quantize}[fmt]
 
 
 def format_reason(fmt: str, dtype: torch.dtype, device, shapes) -> str | None:
     """Why weights of format `fmt` cannot run for these weight shapes [(N, K)], or None."""
     if fmt == "int4":
+        from specplug.common.drafting import int4
+
         return int4.unsupported_reason(dtype, device, shapes)
     return unsupported_reason(dtype, device, [k for _, k in shapes])
+
+
+def platform_reason(fmt: str, dtype: torch.dtype, device: torch.device | str) -> str | None:
+    """Why weights of format `fmt` cannot run for a head of `dtype` on `device` (both
+    formats' kernels are CPU ones over bf16 activations), or None."""
+    if torch.device(device).type != "cpu":
+        return f"{fmt} head weights run on a CPU only (the head is on {device})"
+    if dtype not in ACTIVATION_DTYPES:
+        return f"{fmt} head weights need a bf16 or fp32 head (this one is {dtype})"
+    return None
 
 
 def unsupported_reason(dtype: torch.dtype, device: torch.device | str = "cpu", in_features=()) -> str | None:
     """Why int8 weights cannot run for activations of `dtype` on `device` with these
     input widths (K of each linear), or None. torch's packed int8 kernel is a CPU one,
     and it reads past a K that is not a multiple of its block (a segfault, not an error)."""
-    if torch.device(device).type != "cpu":
-        return f"int8 head weights run on a CPU only (the head is on {device})"
-    if dtype not in ACTIVATION_DTYPES:
-        return f"int8 head weights need a bf16 or fp32 head (this one is {dtype})"
+    reason = platform_reason("int8", dtype, device)
+    if reason is not None:
+        return reason
     if not hasattr(torch, "_weight_int8pack_mm"):
         return f"torch {torch.__version__} has no _weight_int8pack_mm"
     odd = sorted({k for k in in_features if k % K_MULTIPLE})
@@ -129,15 +141,15 @@ def unsupported_reason(dtype: torch.dtype, device: torch.device | str = "cpu", i
 def quantize(weight: torch.Tensor) -> Int8Weight:
     """weight [N, K] -> Int8Weight, each row scaled by its largest magnitude / QMAX."""
     w = weight.detach().float()
-    scale = _rounded_up((w.abs().amax(dim=1) / QMAX).clamp(min=torch.finfo(KERNEL_DTYPE).tiny))  # [N]
+    scale = rounded_up((w.abs().amax(dim=1) / QMAX).clamp(min=torch.finfo(KERNEL_DTYPE).tiny))  # [N]
     q = torch.round(w / scale.float()[:, None]).clamp(-QMAX, QMAX).to(torch.int8)
     return Int8Weight(q.contiguous(), scale)
 
 
-def _rounded_up(scale: torch.Tensor) -> torch.Tensor:
-    """Float [N] -> the smallest KERNEL_DTYPE values >= it: the kernel's own scales, and
+def rounded_up(scale: torch.Tensor, dtype: torch.dtype = KERNEL_DTYPE) -> torch.Tensor:
+    """Float scales -> the smallest `dtype` values >= them: the kernel's own scales, and
     never smaller than needed, so no weight is clamped beyond half a step."""
-    out = scale.to(KERNEL_DTYPE)
+    out = scale.to(dtype)
     low = out.float() < scale
     return torch.where(low, torch.nextafter(out, torch.full_like(out, float("inf"))), out)
 
