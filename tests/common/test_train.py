@@ -188,6 +188,27 @@ def test_init_reads_the_compact_medusa_form(trained, tiny_llama_path, counting_d
         T.train(_config("eagle3", tiny_llama_path, tmp_path / "c", counting_data, init=str(compact)))
 
 
+@pytest.mark.timeout(600)
+def test_init_grows_medusa_heads_by_identity_blocks(trained, tiny_llama_path, counting_data, tmp_path):
+    """--init with a larger --num-layers appends zero (identity) residual blocks: the grown
+    heads compute exactly what HEAD did, so the run starts at the same loss as a plain
+    --init; a smaller --num-layers is refused, naming the fix."""
+    folder = trained["medusa"][1]
+    target = T.load_target(str(tiny_llama_path))[0]
+    heads = M.init_head(folder, target, _config("medusa", tiny_llama_path, tmp_path / "x", counting_data))
+    big = M.grown(heads, 3)
+    M.tie_to_target(big, target)
+    hidden = torch.randn(2, 5, target.config.hidden_size)
+    assert torch.equal(big(hidden), heads(hidden))
+    same = T.train(_config("medusa", tiny_llama_path, tmp_path / "a", counting_data, steps=2, init=str(folder)))
+    deep = T.train(_config("medusa", tiny_llama_path, tmp_path / "b", counting_data, steps=2, init=str(folder),
+                           num_layers=2))
+    assert deep.first_loss == same.first_loss
+    assert json.loads((tmp_path / "b" / "config.json").read_text())["medusa_num_layers"] == 2
+    with pytest.raises(ValueError, match="--num-layers 2 or more"):
+        T.train(_config("medusa", tiny_llama_path, tmp_path / "c", counting_data, init=str(tmp_path / "b")))
+
+
 def _sitting(cfg, monkeypatch, interrupt_at=None):
     """One `specplug train` sitting; with interrupt_at, SIGINT arrives during that step."""
     import os

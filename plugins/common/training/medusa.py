@@ -19,6 +19,7 @@ rebuilds the standard FasterDecoding folder from the compact one and the target.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from pathlib import Path
@@ -48,15 +49,30 @@ def build_head(target, samples, cfg: TrainConfig) -> MedusaHeads:
     config = MedusaConfig(medusa_num_heads=cfg.num_heads, medusa_num_layers=cfg.num_layers,
                           hidden_size=tconf.hidden_size, vocab_size=tconf.vocab_size,
                           base_model_name_or_path=str(cfg.target), specplug=specplug_section("medusa"))
-    heads = MedusaHeads(config)
-    with torch.no_grad():
-        for name, param in heads.named_parameters():
-            if ".linear." in name:
-                param.zero_()
+    heads = zero_blocks(MedusaHeads(config))
     tie_to_target(heads, target)
     logger.info("Medusa: %d heads x %d residual blocks, vocab projections tied to the target's lm_head",
                 cfg.num_heads, cfg.num_layers)
     return heads.to(cfg.device)
+
+
+def zero_blocks(heads: MedusaHeads) -> MedusaHeads:
+    """Zero every residual block's linear (Medusa's init): SiLU(0) = 0 makes each block the
+    identity, so an untrained head k repeats the target's next-token guess."""
+    with torch.no_grad():
+        for name, param in heads.named_parameters():
+            if ".linear." in name:
+                param.zero_()
+    return heads
+
+
+def grown(heads: MedusaHeads, num_layers: int) -> MedusaHeads:
+    """The same heads with zero (identity) residual blocks appended up to num_layers: they
+    compute exactly what `heads` did, and training moves the new blocks from there."""
+    config = dataclasses.replace(heads.config, medusa_num_layers=num_layers)
+    out = zero_blocks(MedusaHeads(config))
+    out.load_state_dict({k: v for k, v in heads.state_dict().items() if ".linear." in k}, strict=False)
+    return out
 
 
 def tie_to_target(heads: MedusaHeads, target) -> None:
@@ -116,7 +132,8 @@ def head_config(heads: MedusaHeads) -> dict:
 
 def init_head(head_dir: Path, target, cfg: TrainConfig, samples=()) -> MedusaHeads:
     """Trained heads to continue from (--init): their residual blocks, float32, the vocab
-    projections tied to the target's lm_head again; ValueError when --heads differs.
+    projections tied to the target's lm_head again; a larger --num-layers appends identity
+    blocks (`grown`); ValueError when --heads differs or --num-layers is smaller.
     (`samples` is EAGLE-3's, for --revocab; Medusa heads predict the whole vocabulary.)"""
     from specplug.common import formats
 
@@ -124,13 +141,17 @@ def init_head(head_dir: Path, target, cfg: TrainConfig, samples=()) -> MedusaHea
         heads = load_compact(head_dir)
     else:
         heads = formats.load_head_module(head_dir, target.config, dtype=torch.float32)
-    if heads.config.medusa_num_heads != cfg.num_heads or heads.config.medusa_num_layers != cfg.num_layers:
-        raise ValueError(f"--init {head_dir} has {heads.config.medusa_num_heads} heads x "
-                         f"{heads.config.medusa_num_layers} blocks, this run asks for {cfg.num_heads} x "
-                         f"{cfg.num_layers}: pass --heads {heads.config.medusa_num_heads} --num-layers "
-                         f"{heads.config.medusa_num_layers}")
+    had = heads.config.medusa_num_layers
+    if heads.config.medusa_num_heads != cfg.num_heads or had > cfg.num_layers:
+        raise ValueError(f"--init {head_dir} has {heads.config.medusa_num_heads} heads x {had} blocks, this run "
+                         f"asks for {cfg.num_heads} x {cfg.num_layers}: pass --heads "
+                         f"{heads.config.medusa_num_heads} and --num-layers {had} or more (added blocks start "
+                         "as the identity)")
+    if had < cfg.num_layers:
+        heads = grown(heads, cfg.num_layers)
     tie_to_target(heads, target)
-    logger.info("Medusa: %d heads x %d residual blocks from %s", cfg.num_heads, cfg.num_layers, head_dir)
+    logger.info("Medusa: %d heads x %d residual blocks from %s%s", cfg.num_heads, cfg.num_layers, head_dir,
+                f" ({cfg.num_layers - had} added as the identity)" if had < cfg.num_layers else "")
     return heads.to(cfg.device).train()
 
 

@@ -749,7 +749,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 _HELP = {
     "max_length": "tokens per training sample", "batch_size": "samples per step", "lr": "peak learning rate",
     "ttt_steps": "EAGLE-3 training-time-test steps unrolled", "step_decay": "loss weight decay per step/head",
-    "draft_vocab_size": "EAGLE-3 draft vocabulary size", "num_layers": "Medusa residual blocks per head",
+    "draft_vocab_size": "EAGLE-3 draft vocabulary size",
+    "num_layers": "Medusa residual blocks per head (with --init: more than HEAD has appends identity blocks)",
     "topk": "Medusa: ranks whose accuracy is recorded",
     "reuse": "optimizer steps per target pass",
     "heldout_samples": "conversations kept out of training (Medusa rank accuracies)",
