@@ -196,10 +196,11 @@ def test_init_grows_medusa_heads_by_identity_blocks(trained, tiny_llama_path, co
     folder = trained["medusa"][1]
     target = T.load_target(str(tiny_llama_path))[0]
     heads = M.init_head(folder, target, _config("medusa", tiny_llama_path, tmp_path / "x", counting_data))
-    big = M.grown(heads, 3)
-    M.tie_to_target(big, target)
     hidden = torch.randn(2, 5, target.config.hidden_size)
-    assert torch.equal(big(hidden), heads(hidden))
+    before = heads(hidden)
+    big = M.grown(heads, 3)
+    assert big.config.medusa_num_layers == 3 and all(len(head) == 4 for head in big)
+    assert torch.equal(big(hidden), before)
     same = T.train(_config("medusa", tiny_llama_path, tmp_path / "a", counting_data, steps=2, init=str(folder)))
     deep = T.train(_config("medusa", tiny_llama_path, tmp_path / "b", counting_data, steps=2, init=str(folder),
                            num_layers=2))

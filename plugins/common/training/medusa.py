@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from specplug.common.heads.medusa import MedusaConfig, MedusaHeads
+from specplug.common.heads.medusa import MedusaConfig, MedusaHeads, ResBlock
 from specplug.common.training.train import (
     Batch, TargetOutput, TrainConfig, batch_at, read_checkpoint_state, shift_left, specplug_section, target_pass)
 
@@ -56,23 +56,27 @@ def build_head(target, samples, cfg: TrainConfig) -> MedusaHeads:
     return heads.to(cfg.device)
 
 
-def zero_blocks(heads: MedusaHeads) -> MedusaHeads:
-    """Zero every residual block's linear (Medusa's init): SiLU(0) = 0 makes each block the
-    identity, so an untrained head k repeats the target's next-token guess."""
+def zero_blocks(module: torch.nn.Module) -> torch.nn.Module:
+    """Zero every residual block's linear in `module` (Medusa's init): SiLU(0) = 0 makes
+    each block the identity, so an untrained head k repeats the target's next-token guess."""
     with torch.no_grad():
-        for name, param in heads.named_parameters():
-            if ".linear." in name:
-                param.zero_()
-    return heads
+        for block in module.modules():
+            if isinstance(block, ResBlock):
+                block.linear.weight.zero_()
+                block.linear.bias.zero_()
+    return module
 
 
 def grown(heads: MedusaHeads, num_layers: int) -> MedusaHeads:
-    """The same heads with zero (identity) residual blocks appended up to num_layers: they
-    compute exactly what `heads` did, and training moves the new blocks from there."""
-    config = dataclasses.replace(heads.config, medusa_num_layers=num_layers)
-    out = zero_blocks(MedusaHeads(config))
-    out.load_state_dict({k: v for k, v in heads.state_dict().items() if ".linear." in k}, strict=False)
-    return out
+    """`heads`, in place, with zero (identity) residual blocks inserted before each vocab
+    projection up to num_layers: they compute exactly what they did, and training moves
+    the new blocks from there. (No projection is rebuilt: they stay tied.)"""
+    added = num_layers - heads.config.medusa_num_layers
+    for head in heads:
+        for _ in range(added):
+            head.insert(len(head) - 1, zero_blocks(ResBlock(heads.config.hidden_size)))
+    heads.config = dataclasses.replace(heads.config, medusa_num_layers=num_layers)
+    return heads
 
 
 def tie_to_target(heads: MedusaHeads, target) -> None:
