@@ -18,29 +18,41 @@ from specplug.common.drafting.runner import DraftStep, Segment, masked_attention
 
 
 class _DenseLayer:
-    """One vLLM decoder layer's attention run over caller-owned dense KV, per request.
-    Subclasses name their head kind in KIND."""
+    """vLLM decoder layers' attention run over caller-owned dense KV, per request: the
+    cache holds every layer's kv heads side by side (layer 0 first), as the core head's
+    does. Subclasses name their head kind in KIND and say in MULTI_LAYER whether they
+    run heads of more than one layer."""
 
     KIND = "EAGLE"
+    MULTI_LAYER = False
 
     def __init__(self, model):
         layers = model.model.layers
-        if len(layers) != 1:
+        if len(layers) != 1 and not self.MULTI_LAYER:
             raise ValueError(
                 f"the specplug {self.KIND} proposer needs a one-layer head (num_hidden_layers=1), "
                 f"got {len(layers)} layers: use vLLM's built-in path (drop the specplug section)"
             )
         self.model = model
+        self.layers = list(layers)
         self.layer = layers[0]
         attn = self.layer.self_attn
         self.num_heads, self.num_kv_heads = attn.num_heads, attn.num_kv_heads
         self.head_dim, self.scaling = attn.head_dim, attn.scaling
         self.q_size, self.kv_size = attn.q_size, attn.kv_size
 
-    def _attention(self, x, positions, segments):
-        """x [T, In] -> (o_proj output [T, H], key, value [T, kv_heads, D]): the layer's
-        attention, each segment's rows over its own past KV and mask."""
-        attn_layer = self.layer.self_attn
+    def _layer_segments(self, segments: list[Segment], i: int) -> list[Segment]:
+        """The segments with layer i's past keys/values: kv heads [i*kvh, (i+1)*kvh)."""
+        if len(self.layers) == 1:
+            return segments
+        heads = slice(i * self.num_kv_heads, (i + 1) * self.num_kv_heads)
+        return [seg._replace(past_key=seg.past_key[:, heads], past_value=seg.past_value[:, heads]) for seg in segments]
+
+    def _attention(self, x, positions, segments, i: int = 0):
+        """x [T, In] -> (o_proj output [T, H], key, value [T, kv_heads, D]): layer i's
+        attention, each segment's rows over its own past KV (layer i's) and mask."""
+        attn_layer = self.layers[i].self_attn
+        segments = self._layer_segments(segments, i)
         qkv, _ = attn_layer.qkv_proj(x)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q, k = attn_layer.rotary_emb(positions, q, k)
@@ -59,14 +71,14 @@ class _DenseLayer:
         return torch.log_softmax(self.model.logits_processor(self.model.lm_head, rows).float(), dim=-1)
 
     def empty_kv(self) -> torch.Tensor:
-        """A [0, kv_heads, head_dim] cache tensor in the head's dtype."""
+        """A [0, layers * kv_heads, head_dim] cache tensor in the head's dtype."""
         weight = self.layer.self_attn.o_proj.weight
-        return weight.new_zeros(0, self.num_kv_heads, self.head_dim)
+        return weight.new_zeros(0, len(self.layers) * self.num_kv_heads, self.head_dim)
 
 
 class DenseEagle3Head(_DenseLayer):
-    """HeadRunner over the EAGLE-3 modules vLLM loaded: one midlayer step over T inputs
-    with caller-owned dense KV.
+    """HeadRunner over the EAGLE-3 modules vLLM loaded: one step of the midlayer (and of
+    any later layers, vLLM's multi-layer EAGLE-3) over T inputs with caller-owned dense KV.
 
     Input at position i pairs token x_{i+1} with hidden h_i (the target's combined aux
     state for committed positions, the parent's pre-norm output inside a draft tree) and
@@ -74,6 +86,7 @@ class DenseEagle3Head(_DenseLayer):
     """
 
     KIND = "EAGLE-3"
+    MULTI_LAYER = True
 
     @property
     def token_map(self) -> torch.Tensor | None:
@@ -106,7 +119,16 @@ class DenseEagle3Head(_DenseLayer):
         out, key, value = self._attention(torch.cat([embeds, normed], dim=-1), positions, segments)  # [T, 2H] in
         out, residual = layer.post_attention_layernorm(out, residual)
         out = layer.mlp(out)
+        keys, values = [key], [value]
+        for i, later in enumerate(self.layers[1:], start=1):  # vLLM's LlamaModel.forward, layer by layer
+            normed, residual = later.input_layernorm(out, residual)
+            out, key, value = self._attention(normed, positions, segments, i)
+            out, residual = later.post_attention_layernorm(out, residual)
+            out = later.mlp(out)
+            keys.append(key)
+            values.append(value)
         normed_out, prenorm = self.model.model.norm(out, residual)
+        key, value = (torch.cat(keys, dim=1), torch.cat(values, dim=1)) if len(keys) > 1 else (key, value)
         return DraftStep(self._logprobs(normed_out, logit_rows), prenorm, key, value)
 
 class DenseEagle1Head(_DenseLayer):

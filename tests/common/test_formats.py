@@ -461,8 +461,10 @@ MALFORMED = {
         norm_before_residual=True, eagle_config={"norm_before_residual": False})), None, "norm_before_residual"),
     "default aux ids on a 3-layer target": (lambda t: _eagle(t, config=_without(eagle3_config(), "eagle_config")),
                                             {**TARGET, "num_hidden_layers": 3}, "explicit ids"),
-    "two decoder layers": (lambda t: _eagle(t, config=eagle3_config(num_hidden_layers=2)), None,
-                           "num_hidden_layers"),
+    "two decoder layers, tensors of one": (lambda t: _eagle(t, config=eagle3_config(num_hidden_layers=2)), None,
+                                           "layers.1.self_attn.q_proj.weight"),
+    "zero decoder layers": (lambda t: _eagle(t, config=eagle3_config(num_hidden_layers=0)), None,
+                            "num_hidden_layers"),
     "draft vocab > vocab": (lambda t: _eagle(t, config=eagle3_config(draft_vocab_size=100)), None,
                             "draft_vocab_size"),
     "missing config field": (lambda t: _eagle(t, config=_without(eagle3_config(), "hidden_size")), None,
@@ -524,6 +526,24 @@ def test_load_head_module_builds_eagle3_head(tmp_path):
     state = eagle3_state()
     for name, tensor in module.state_dict().items():
         assert torch.equal(tensor, state[name].to(tensor.dtype)), name
+
+
+def test_two_layer_eagle3_loads_and_round_trips_through_speculators(tmp_path):
+    """layers.1.* (vLLM's multi-layer EAGLE-3 names) load into the head's later layer and
+    survive eagle3 -> speculators -> eagle3 bit for bit."""
+    pytest.importorskip("specplug.common.heads.eagle3")
+    one = formats.load_head_module(write_eagle3(tmp_path / "one"), TARGET)
+    two = formats.load_head_module(write_eagle3(tmp_path / "one"), TARGET)
+    from specplug.common.training.eagle3 import grown
+    original = dict(grown(two, 2).state_dict())
+    save_head(two, tmp_path / "e", "eagle3")
+    assert json.loads((tmp_path / "e" / "config.json").read_text())["num_hidden_layers"] == 2
+    convert(tmp_path / "e", tmp_path / "s", "speculators", target_config=TARGET)
+    convert(tmp_path / "s", tmp_path / "e2", "eagle3")
+    back = formats.load_head_module(tmp_path / "e2", TARGET)
+    assert back.config.num_hidden_layers == 2 and len(back.later_layers()) == 1
+    assert tensor_bytes(back.state_dict()) == tensor_bytes(original)
+    assert set(original) - set(one.state_dict()) == {k for k in original if k.startswith("layers.1.")}
 
 
 def test_load_head_module_builds_medusa_heads(tmp_path):

@@ -210,6 +210,31 @@ def test_init_grows_medusa_heads_by_identity_blocks(trained, tiny_llama_path, co
         T.train(_config("medusa", tiny_llama_path, tmp_path / "c", counting_data, init=str(tmp_path / "b")))
 
 
+def test_init_grows_an_eagle3_head_by_identity_layers(trained, tiny_llama_path, counting_data, tmp_path):
+    """--init with a larger --num-layers appends identity decoder layers (o_proj and
+    down_proj zero): the grown head computes exactly what HEAD did, so the run starts at
+    the same loss as a plain --init and trains the new layer; the saved head has 2 layers
+    and a smaller --num-layers is refused, naming the fix."""
+    folder = trained["eagle3"][1]
+    target = T.load_target(str(tiny_llama_path))[0]
+    head = E.init_head(folder, target, _config("eagle3", tiny_llama_path, tmp_path / "x", counting_data)).eval()
+    ids, hidden = torch.randint(0, 100, (2, 5)), torch.randn(2, 5, head.config.hidden_size)
+    pos, mask = torch.arange(5).expand(2, 5), torch.ones(5, 5, dtype=torch.bool).tril().expand(2, 5, 5)
+    before = head(ids, hidden, pos, mask)
+    after = E.grown(head, 3)(ids, hidden, pos, mask)
+    assert head.config.num_hidden_layers == 3 and len(head.later_layers()) == 2
+    assert torch.equal(after.hidden, before.hidden) and after.kv[0].shape[1] == 3 * before.kv[0].shape[1]
+    same = T.train(_config("eagle3", tiny_llama_path, tmp_path / "a", counting_data, steps=2, init=str(folder)))
+    deep = T.train(_config("eagle3", tiny_llama_path, tmp_path / "b", counting_data, steps=2, init=str(folder),
+                           num_layers=2))
+    assert deep.first_loss == pytest.approx(same.first_loss, rel=1e-6)
+    assert json.loads((tmp_path / "b" / "config.json").read_text())["num_hidden_layers"] == 2
+    saved = formats.load_head_module(tmp_path / "b", target.config)
+    assert saved.layers["1"].self_attn.o_proj.weight.abs().sum() > 0  # the new layer trained
+    with pytest.raises(ValueError, match="--num-layers 2 or more"):
+        T.train(_config("eagle3", tiny_llama_path, tmp_path / "c", counting_data, init=str(tmp_path / "b")))
+
+
 def _sitting(cfg, monkeypatch, interrupt_at=None):
     """One `specplug train` sitting; with interrupt_at, SIGINT arrives during that step."""
     import os

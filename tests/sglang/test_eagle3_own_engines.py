@@ -7,7 +7,7 @@ process with it.
 EAGLE-1 heads (the target's final hidden state, its lm_head) run through the same
 worker: greedy output equals no speculation and the reference loop, step for step. So
 does an EAGLE-3 head with int8 or int4 weights ("head_weights"), against the reference
-loop running the same quantized head."""
+loop running the same quantized head, and a two-layer EAGLE-3 head."""
 
 import pytest
 
@@ -51,6 +51,17 @@ def test_quantized_head_weights_match_no_speculation_and_the_quantized_reference
         outs = generate_ids(engine, PROMPTS, GREEDY)
     assert assert_greedy_matches(run["ids"], baseline["greedy"]["ids"], baseline["greedy"]["gaps"]) == 0
     assert assert_equals_reference(outs, reference_run(sgl_model, head, PROMPTS, TREE, weights=fmt)) > 0
+
+
+def test_two_layer_head_matches_no_speculation_and_the_reference_loop(sgl_model, baseline):
+    """A two-layer EAGLE-3 head (layers.1.*, vLLM's multi-layer names): greedy output equals
+    SGLang without speculation, and the reference loop step for step."""
+    head = tiny_head_dir(sgl_model, specplug={"version": 1, "method": "eagle3", "tree": TREE}, num_hidden_layers=2)
+    with sglang_engine(sgl_model, speculative_algorithm=ALGORITHM, speculative_draft_model_path=str(head)) as engine:
+        run = greedy_run(engine, PROMPTS, GREEDY)
+        outs = generate_ids(engine, PROMPTS, GREEDY)
+    assert assert_greedy_matches(run["ids"], baseline["greedy"]["ids"], baseline["greedy"]["gaps"]) == 0
+    assert assert_equals_reference(outs, reference_run(sgl_model, head, PROMPTS, TREE)) > 0
 
 
 def test_branching_trees_on_the_constant_target_equal_the_reference_loop():

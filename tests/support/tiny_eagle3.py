@@ -83,6 +83,14 @@ def random_head_tensors(config: dict, seed: int = 0, std: float = 0.2) -> dict[s
         "norm.weight": torch.ones(hidden),
         "lm_head.weight": torch.randn(draft_vocab, hidden, generator=gen),
     }
+    for i in range(1, config.get("num_hidden_layers", 1)):  # vLLM's multi-layer EAGLE-3: layers.1+ read H
+        m = f"layers.{i}."
+        tensors.update({
+            f"{m}self_attn.q_proj.weight": rand(q_out, hidden), f"{m}self_attn.k_proj.weight": rand(kv_out, hidden),
+            f"{m}self_attn.v_proj.weight": rand(kv_out, hidden), f"{m}self_attn.o_proj.weight": rand(hidden, q_out),
+            f"{m}mlp.gate_proj.weight": rand(inter, hidden), f"{m}mlp.up_proj.weight": rand(inter, hidden),
+            f"{m}mlp.down_proj.weight": rand(hidden, inter), f"{m}input_layernorm.weight": torch.ones(hidden),
+            f"{m}post_attention_layernorm.weight": torch.ones(hidden)})
     if draft_vocab != config["vocab_size"]:
         tensors["d2t"] = torch.zeros(draft_vocab, dtype=torch.long)  # draft id i -> target id i
         tensors["t2d"] = torch.zeros(config["vocab_size"], dtype=torch.bool)

@@ -12,7 +12,7 @@ pytest.importorskip("vllm", reason="needs the vLLM environment: bash scripts/tes
 
 from specplug.vllm_eagle3.metrics import stats_from_outputs
 from tests.vllm.conftest import NUM_SPEC_TOKENS, PROMPTS, SPECPLUG_CHAIN as SPECPLUG_CHAIN_SECTION, drafter_of
-from tests.support.tiny_eagle3 import AGREE_TOKEN, CONSTANT_TARGET_LOGITS
+from tests.support.tiny_eagle3 import AGREE_TOKEN, CONSTANT_TARGET_LOGITS, tiny_head_dir
 
 pytestmark = pytest.mark.vllm
 
@@ -68,6 +68,19 @@ def test_topk1_tree_drafts_what_vllm_builtin_drafts(engine, target, chain_head, 
     builtin, builtin_stats, builtin_drafts = _recorded_drafts(engine(target, plain_head), PROMPTS[:8], sampling)
     assert ours == builtin
     assert ours_stats == builtin_stats
+    assert len(ours_drafts) > 10 and ours_drafts == builtin_drafts
+
+
+def test_two_layer_head_drafts_what_vllm_builtin_drafts_and_stays_exact(engine, target):
+    """A two-layer EAGLE-3 head (vLLM's multi-layer names, layers.1.*): with topk=1 every
+    step's drafts equal vLLM's own eagle3 drafts with the same weights, so both layers'
+    dense KV (side by side in one cache) stay in sync; greedy output equals no speculation."""
+    two = tiny_head_dir(target, specplug=SPECPLUG_CHAIN_SECTION, num_hidden_layers=2)
+    plain = tiny_head_dir(target, num_hidden_layers=2)
+    sampling = params(max_tokens=24, temperature=0.0)
+    ours, _, ours_drafts = _recorded_drafts(engine(target, two), PROMPTS[:8], sampling)
+    builtin, _, builtin_drafts = _recorded_drafts(engine(target, plain), PROMPTS[:8], sampling)
+    assert ours == builtin == run(engine(target), PROMPTS[:8], sampling)[0]
     assert len(ours_drafts) > 10 and ours_drafts == builtin_drafts
 
 

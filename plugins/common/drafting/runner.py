@@ -19,7 +19,7 @@ PADDED_ROWS = 1 << 15  # most (requests x longest past + rows) one padded head f
 class DraftStep(NamedTuple):
     logprobs: torch.Tensor  # [T or R, draft_vocab] draft log-probs of the NEXT token (see token_map, logit_rows)
     hidden: torch.Tensor  # [T, H] pre-norm output: the `hidden` input of a child step
-    key: torch.Tensor  # [T, kv_heads, head_dim] keys of the T inputs (after RoPE)
+    key: torch.Tensor  # [T, kv_heads, head_dim] keys of the T inputs (after RoPE; all layers' kv heads)
     value: torch.Tensor  # [T, kv_heads, head_dim]
 
 
@@ -82,7 +82,7 @@ class TorchHeadRunner:
     def __init__(self, head):
         self.head = head.eval()
         config = head.config
-        self.num_kv_heads, self.head_dim = config.num_key_value_heads, config.head_dim
+        self.num_kv_heads, self.head_dim = config.cache_kv_heads, config.head_dim  # every layer's kv heads
         self.vocab_size = config.vocab_size
         self.device = head.fc.weight.device
         self.token_map = head.to_target_ids(torch.arange(config.draft_vocab_size, device=self.device))

@@ -65,9 +65,7 @@ def _eagle3_aux_ids(config: dict) -> list[int] | None:
 
 def _eagle3_expected(config: dict, where: str) -> tuple[dict, dict]:
     """(required, optional) canonical tensor name -> shape implied by an EAGLE-3 config."""
-    if config.get("num_hidden_layers", 1) != 1:
-        raise CheckpointError("num_hidden_layers", 1, config["num_hidden_layers"], where,
-                              "specplug's EAGLE-3 head has one decoder layer (midlayer); use a 1-layer head")
+    layers = _config_int(config, "num_hidden_layers", where, 1)
     h = _config_int(config, "hidden_size", where)
     heads = _config_int(config, "num_attention_heads", where)
     kv = _config_int(config, "num_key_value_heads", where, heads)
@@ -87,15 +85,11 @@ def _eagle3_expected(config: dict, where: str) -> tuple[dict, dict]:
     if draft > vocab:
         raise CheckpointError("draft_vocab_size", f"<= vocab_size {vocab}", draft, where,
                               "the draft vocabulary is a subset of the target's: fix config.json")
-    m = "midlayer."
-    required = {
-        f"{m}self_attn.q_proj.weight": (heads * head_dim, 2 * h), f"{m}self_attn.k_proj.weight": (kv * head_dim, 2 * h),
-        f"{m}self_attn.v_proj.weight": (kv * head_dim, 2 * h), f"{m}self_attn.o_proj.weight": (h, heads * head_dim),
-        f"{m}mlp.gate_proj.weight": (inter, h), f"{m}mlp.up_proj.weight": (inter, h),
-        f"{m}mlp.down_proj.weight": (h, inter), f"{m}hidden_norm.weight": (h,),
-        f"{m}input_layernorm.weight": (h,), f"{m}post_attention_layernorm.weight": (h,),
-        "fc.weight": (h, fc_in), "norm.weight": (h,), "lm_head.weight": (draft, h),
-    }
+    required = _llama_layer_expected("midlayer.", 2 * h, h, heads, kv, head_dim, inter)  # q/k/v read [embed; hidden]
+    required.update({"midlayer.hidden_norm.weight": (h,), "fc.weight": (h, fc_in), "norm.weight": (h,),
+                     "lm_head.weight": (draft, h)})
+    for i in range(1, layers):  # vLLM's multi-layer EAGLE-3: plain decoder layers over H
+        required.update(_llama_layer_expected(f"layers.{i}.", h, h, heads, kv, head_dim, inter))
     optional = {"embed_tokens.weight": (vocab, h), "t2d": (vocab,), "d2t": (draft,)}
     if draft != vocab:
         required["d2t"] = optional.pop("d2t")
@@ -103,14 +97,28 @@ def _eagle3_expected(config: dict, where: str) -> tuple[dict, dict]:
     return required, optional
 
 
+def _llama_layer_expected(m: str, width, h, heads, kv, head_dim, inter) -> dict:
+    """Tensor name -> shape of a Llama decoder layer named with prefix `m` whose q/k/v read
+    `width` columns."""
+    return {
+        f"{m}self_attn.q_proj.weight": (heads * head_dim, width), f"{m}self_attn.k_proj.weight": (kv * head_dim, width),
+        f"{m}self_attn.v_proj.weight": (kv * head_dim, width), f"{m}self_attn.o_proj.weight": (h, heads * head_dim),
+        f"{m}mlp.gate_proj.weight": (inter, h), f"{m}mlp.up_proj.weight": (inter, h),
+        f"{m}mlp.down_proj.weight": (h, inter), f"{m}input_layernorm.weight": (h,),
+        f"{m}post_attention_layernorm.weight": (h,),
+    }
+
+
 def _eagle3_flagged(config, required, h, heads, kv, head_dim, inter, ht, fc_in) -> None:
     """Tensors that config flags switch on (biases, the norm_before_fc / fc_norm variants)."""
-    if config.get("attention_bias"):
-        for proj, rows in (("q", heads * head_dim), ("k", kv * head_dim), ("v", kv * head_dim), ("o", h)):
-            required[f"midlayer.self_attn.{proj}_proj.bias"] = (rows,)
-    if config.get("mlp_bias"):
-        required.update({"midlayer.mlp.gate_proj.bias": (inter,), "midlayer.mlp.up_proj.bias": (inter,),
-                         "midlayer.mlp.down_proj.bias": (h,)})
+    prefixes = ["midlayer."] + [f"layers.{i}." for i in range(1, config.get("num_hidden_layers", 1))]
+    for m in prefixes:
+        if config.get("attention_bias"):
+            for proj, rows in (("q", heads * head_dim), ("k", kv * head_dim), ("v", kv * head_dim), ("o", h)):
+                required[f"{m}self_attn.{proj}_proj.bias"] = (rows,)
+        if config.get("mlp_bias"):
+            required.update({f"{m}mlp.gate_proj.bias": (inter,), f"{m}mlp.up_proj.bias": (inter,),
+                             f"{m}mlp.down_proj.bias": (h,)})
     eagle = config.get("eagle_config") or {}
     if eagle.get("norm_before_fc", config.get("norm_before_fc")):
         required["input_norm.weight"] = (fc_in,)

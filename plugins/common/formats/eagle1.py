@@ -28,9 +28,10 @@ _EAGLE3_NAMES = (f"{LAYER}input_layernorm.weight", f"{LAYER}hidden_norm.weight")
 
 
 def is_eagle1(names: list[str], config: dict) -> bool:
-    """layers.* + fc.weight without a speculators config: the EAGLE repo's layout."""
+    """layers.* + fc.weight without a speculators config or an EAGLE-3 midlayer (a
+    multi-layer EAGLE-3 head has layers.1.*): the EAGLE repo's layout."""
     return ("fc.weight" in names and any(n.startswith("layers.") for n in names)
-            and "speculators_model_type" not in config)
+            and not any(n.startswith("midlayer.") for n in names) and "speculators_model_type" not in config)
 
 
 def parse(config: dict, tensors: dict) -> tuple[dict, dict, dict]:

@@ -62,6 +62,11 @@ class Eagle1Config:
         check_llama_shape(self, "EAGLE-1")
 
     @property
+    def cache_kv_heads(self) -> int:
+        """Width of the head's key/value cache in kv heads (one layer)."""
+        return self.num_key_value_heads
+
+    @property
     def draft_vocab_size(self) -> int:
         """EAGLE-1 scores with the target's lm_head: the whole target vocabulary."""
         return self.vocab_size

@@ -7,13 +7,18 @@ Math (identical to vLLM 0.32's `Eagle3LlamaForCausalLM`):
   x  = cat(input_layernorm(embed(token)), hidden_norm(g))        # [.., 2H]
   a  = o_proj(attn(q_proj(x), k_proj(x), v_proj(x)))  + g        # RoPE on q, k
   r  = mlp(post_attention_layernorm(a)) + a                      # pre-norm output
+  with num_hidden_layers = n > 1 (vLLM's multi-layer EAGLE-3), layers.1 .. layers.{n-1}
+  follow, each a plain pre-norm Llama layer over the previous one's H-wide r:
+     a' = o_proj(attn(input_layernorm(r))) + r;   r = mlp(post_attention_layernorm(a')) + a'
   logits = lm_head(norm(r))                                      # [.., draft_vocab]
   target id of draft id i = i + d2t[i];  t2d[t] says target id t is in the draft vocab.
 
 The input at position i pairs the target's hidden state at i with the token at i+1,
 and predicts the token at i+2; RoPE uses position i. The head owns no cache: the
 caller passes the past keys/values and gets the new ones back, so it can draft trees
-with any boolean attention mask.
+with any boolean attention mask. The keys/values of all n layers travel as one tensor,
+the layers' kv heads side by side ([.., n * kv_heads, .., head_dim], layer 0 first), so
+every cache holder treats a multi-layer head like a one-layer one with more kv heads.
 """
 
 from __future__ import annotations
@@ -141,11 +146,15 @@ class Eagle3Config:
     attention_bias: bool = False
     norm_before_residual: bool = False
     hidden_act: str = "silu"
+    num_hidden_layers: int = 1
     specplug: dict | None = None
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self):
         check_llama_shape(self, "EAGLE-3")
+        if not isinstance(self.num_hidden_layers, int) or self.num_hidden_layers < 1:
+            raise ValueError(f"num_hidden_layers must be an int >= 1 for an EAGLE-3 head (the midlayer, then "
+                             f"plain decoder layers), got {self.num_hidden_layers!r}: fix the head's config.json")
         if self.aux_layer_ids is not None:
             object.__setattr__(self, "aux_layer_ids", tuple(int(i) for i in self.aux_layer_ids))
             if len(self.aux_layer_ids) != NUM_AUX_HIDDEN_STATES:
@@ -157,6 +166,11 @@ class Eagle3Config:
     @property
     def fc_input_size(self) -> int:
         return NUM_AUX_HIDDEN_STATES * self.target_hidden_size
+
+    @property
+    def cache_kv_heads(self) -> int:
+        """Width of the head's key/value cache in kv heads: every layer's, side by side."""
+        return self.num_hidden_layers * self.num_key_value_heads
 
     def resolved_aux_layer_ids(self, num_target_layers: int) -> tuple[int, ...]:
         """The aux layer ids for a target with `num_target_layers` layers."""
@@ -180,11 +194,6 @@ class Eagle3Config:
                 f"architectures {arch} is not an EAGLE-3 head (expected {ARCHITECTURE!r}): "
                 "convert it with `specplug convert` or pass the right checkpoint"
             )
-        if config.get("num_hidden_layers", 1) != 1:
-            raise ValueError(
-                f"num_hidden_layers must be 1 for an EAGLE-3 head (one `midlayer`), "
-                f"got {config['num_hidden_layers']}"
-            )
         eagle = config.get("eagle_config") or {}
         for key in ("norm_before_fc", "fc_norm", "norm_output"):
             if eagle.get(key, config.get(key, False)):
@@ -200,6 +209,7 @@ class Eagle3Config:
                                     config.get("eagle_aux_hidden_state_layer_ids")),
             attention_bias=config.get("attention_bias", False),
             norm_before_residual=bool(config.get("norm_before_residual", eagle.get("norm_before_residual", False))),
+            num_hidden_layers=config.get("num_hidden_layers", 1),
             specplug=config.get("specplug"),
             extra={k: v for k, v in config.items()
                    if k not in known and k not in _FIXED_KEYS and k != "eagle_aux_hidden_state_layer_ids"},
@@ -212,7 +222,7 @@ class Eagle3Config:
             eagle_config["eagle_aux_hidden_state_layer_ids"] = list(self.aux_layer_ids)
         out = dict(self.extra)
         out.update(
-            architectures=[ARCHITECTURE], model_type="llama", num_hidden_layers=1,
+            architectures=[ARCHITECTURE], model_type="llama", num_hidden_layers=self.num_hidden_layers,
             hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
             num_attention_heads=self.num_attention_heads, num_key_value_heads=self.num_key_value_heads,
             head_dim=self.head_dim, vocab_size=self.vocab_size, draft_vocab_size=self.draft_vocab_size,
@@ -368,10 +378,44 @@ class Eagle3DecoderLayer(nn.Module):
         return out, kv
 
 
+class Eagle3LaterLayer(nn.Module):
+    """Layer 1, 2, .. of a multi-layer EAGLE-3 head (vLLM's `layers.{i}`, i >= 1): a plain
+    pre-norm Llama decoder layer over the previous layer's pre-norm output [B, T, H]."""
+
+    def __init__(self, config: Eagle3Config):
+        super().__init__()
+        h, eps = config.hidden_size, config.rms_norm_eps
+        self.input_layernorm = RMSNorm(h, eps)
+        self.post_attention_layernorm = RMSNorm(h, eps)
+        self.self_attn = Eagle3Attention(config, input_size=h)
+        self.mlp = Eagle3MLP(config)
+
+    def forward(self, hidden, positions, attention_mask, past_kv, inv_freq):
+        """Returns (pre-norm output [B, T, H], new (k, v))."""
+        attn, kv = self.self_attn(self.input_layernorm(hidden), positions, attention_mask, past_kv, inv_freq)
+        residual = attn + hidden
+        return self.mlp(self.post_attention_layernorm(residual)) + residual, kv
+
+
+def split_kv(past_kv, layers: int) -> list:
+    """One (k, v) [B, kv_heads, S, D] per layer from the stacked [B, layers * kv_heads, S, D]
+    (None: no past, for every layer)."""
+    if past_kv is None:
+        return [None] * layers
+    return list(zip(past_kv[0].chunk(layers, dim=1), past_kv[1].chunk(layers, dim=1)))
+
+
+def stack_kv(kvs: list) -> tuple[torch.Tensor, torch.Tensor]:
+    """The layers' (k, v) [B, kv_heads, T, D] side by side: [B, layers * kv_heads, T, D]."""
+    if len(kvs) == 1:
+        return kvs[0]
+    return torch.cat([k for k, _ in kvs], dim=1), torch.cat([v for _, v in kvs], dim=1)
+
+
 class Eagle3Output(NamedTuple):
     normed: torch.Tensor  # [B, T, H] final-norm output: feed to compute_logits
     hidden: torch.Tensor  # [B, T, H] pre-norm output: the next step's `hidden` input
-    kv: tuple[torch.Tensor, torch.Tensor]  # (k, v) [B, kv_heads, T, head_dim] of the T inputs
+    kv: tuple[torch.Tensor, torch.Tensor]  # (k, v) [B, cache_kv_heads, T, head_dim] of the T inputs
 
 
 class TargetEmbedding:
@@ -415,7 +459,8 @@ def load_checked(head: nn.Module, given: Mapping[str, torch.Tensor], what: str) 
 
 class Eagle3Head(TargetEmbedding, nn.Module):
     """EAGLE-3 draft head. state_dict keys are exactly EAGLE / SpecForge's:
-    fc.weight [H, 3Ht], midlayer.*, norm.weight, lm_head.weight [draft_vocab, H],
+    fc.weight [H, 3Ht], midlayer.*, layers.{i}.* for i >= 1 (vLLM's multi-layer names, only
+    when num_hidden_layers > 1), norm.weight, lm_head.weight [draft_vocab, H],
     d2t int64 [draft_vocab], t2d bool [vocab], optional embed_tokens.weight [vocab, H].
     Without its own embed_tokens the head uses the target's, set with
     `set_target_embedding` (kept out of the state_dict)."""
@@ -430,6 +475,8 @@ class Eagle3Head(TargetEmbedding, nn.Module):
             self.embed_tokens = nn.Embedding(config.vocab_size, h)
         self.fc = nn.Linear(config.fc_input_size, h, bias=False)
         self.midlayer = Eagle3DecoderLayer(config)
+        if config.num_hidden_layers > 1:
+            self.layers = nn.ModuleDict({str(i): Eagle3LaterLayer(config) for i in range(1, config.num_hidden_layers)})
         self.norm = RMSNorm(h, config.rms_norm_eps)
         self.lm_head = nn.Linear(h, config.draft_vocab_size, bias=False)
         self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
@@ -473,12 +520,21 @@ class Eagle3Head(TargetEmbedding, nn.Module):
         input_ids [B, T] (the token AFTER each hidden state's position), hidden [B, T, H]
         (fc(aux) for target states, or the head's own pre-norm output), positions [B, T],
         attention_mask Bool [B, T, S+T] (True = may attend; columns = past then new; every
-        row must allow at least one column), past_kv (k, v) [B, kv_heads, S, head_dim].
+        row must allow at least one column), past_kv (k, v) [B, cache_kv_heads, S, head_dim].
         """
         embeds = self.embed(input_ids)
         inv_freq = self.inv_freq.to(hidden.device)
-        out, kv = self.midlayer(embeds, hidden, positions, attention_mask, past_kv, inv_freq)
-        return Eagle3Output(self.norm(out), out, kv)
+        past = split_kv(past_kv, self.config.num_hidden_layers)
+        out, kv = self.midlayer(embeds, hidden, positions, attention_mask, past[0], inv_freq)
+        kvs = [kv]
+        for layer, layer_past in zip(self.later_layers(), past[1:]):
+            out, kv = layer(out, positions, attention_mask, layer_past, inv_freq)
+            kvs.append(kv)
+        return Eagle3Output(self.norm(out), out, stack_kv(kvs))
+
+    def later_layers(self) -> list[Eagle3LaterLayer]:
+        """Layers 1 .. num_hidden_layers - 1 in order (none for a one-layer head)."""
+        return list(self.layers.values()) if hasattr(self, "layers") else []
 
     def compute_logits(self, normed: torch.Tensor) -> torch.Tensor:
         """[..., H] -> draft-vocab logits [..., draft_vocab]."""

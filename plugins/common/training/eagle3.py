@@ -19,13 +19,14 @@ step 0's keys at rows <= i (the verified context) and to its own row in steps 1.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from specplug.common.heads.eagle3 import Eagle3Config, Eagle3Head, default_aux_layer_ids
+from specplug.common.heads.eagle3 import Eagle3Config, Eagle3Head, Eagle3LaterLayer, default_aux_layer_ids
 from specplug.common.training.train import (
     Batch, TargetOutput, TrainConfig, read_checkpoint_state, shift_left, specplug_section)
 
@@ -112,7 +113,7 @@ def build_head(target, samples, cfg: TrainConfig) -> Eagle3Head:
     """A new head shaped like the target, with the draft vocab from the samples' token counts.
 
     Start: lm_head rows and final norm copied from the target, fc passing the HIGH aux
-    state through (fc = [0, 0, I]), the decoder layer N(0, 0.02) — so the untrained
+    state through (fc = [0, 0, I]), the decoder layers N(0, 0.02) — so the untrained
     head already reads the target's own late features through the target's own output
     layer, and training learns the one-token shift.
     """
@@ -123,30 +124,63 @@ def build_head(target, samples, cfg: TrainConfig) -> Eagle3Head:
     ids = draft_vocab_ids(counts, size)
     layers = preflight(cfg, tconf)
     config = Eagle3Config.for_target(tconf, draft_vocab_size=size, aux_layer_ids=tuple(layers),
-                                     specplug=specplug_section("eagle3"))
+                                     num_hidden_layers=cfg.num_layers, specplug=specplug_section("eagle3"))
     head = Eagle3Head(config)
     _init_weights(head, target)
     install_draft_vocab(head, ids, target.get_output_embeddings().weight.detach().float())
     head.set_target_embedding(target.get_input_embeddings())
-    logger.info("EAGLE-3 head: draft vocab %d of %d (covers %.1f%% of assistant tokens), aux layers %s",
-                size, vocab, 100 * coverage(head, counts), list(layers))
+    logger.info("EAGLE-3 head: %d decoder layer(s), draft vocab %d of %d (covers %.1f%% of assistant tokens), "
+                "aux layers %s", cfg.num_layers, size, vocab, 100 * coverage(head, counts), list(layers))
     return head.to(cfg.device)
 
 
 def _init_weights(head: Eagle3Head, target) -> None:
     h = head.config.hidden_size
     with torch.no_grad():
-        for module in head.midlayer.modules():
-            if isinstance(module, torch.nn.Linear):
-                module.weight.normal_(0.0, INIT_STD)
-                if module.bias is not None:
-                    module.bias.zero_()
+        for layer in [head.midlayer, *head.later_layers()]:
+            _normal_linears(layer)
         head.fc.weight.zero_()
         if head.config.target_hidden_size == h:
             head.fc.weight[:, 2 * h:] = torch.eye(h)
         norm = getattr(target.base_model, "norm", None)
         if norm is not None and getattr(norm, "weight", None) is not None and norm.weight.shape == (h,):
             head.norm.weight.copy_(norm.weight.float())
+
+
+def _normal_linears(module: torch.nn.Module) -> torch.nn.Module:
+    """Every linear in `module` drawn from N(0, INIT_STD), biases zero."""
+    with torch.no_grad():
+        for linear in module.modules():
+            if isinstance(linear, torch.nn.Linear):
+                linear.weight.normal_(0.0, INIT_STD)
+                if linear.bias is not None:
+                    linear.bias.zero_()
+    return module
+
+
+def identity_layer(config: Eagle3Config) -> Eagle3LaterLayer:
+    """A later decoder layer that is the identity: o_proj and down_proj zero (both
+    residual branches add 0), the other linears N(0, INIT_STD) so that training moves
+    them once o_proj and down_proj leave zero."""
+    layer = _normal_linears(Eagle3LaterLayer(config))
+    with torch.no_grad():
+        layer.self_attn.o_proj.weight.zero_()
+        layer.mlp.down_proj.weight.zero_()
+    return layer
+
+
+def grown(head: Eagle3Head, num_layers: int) -> Eagle3Head:
+    """`head`, in place, with identity decoder layers (identity_layer) appended up to
+    num_layers: it computes exactly what it did, and training moves the new layers from
+    there."""
+    had = head.config.num_hidden_layers
+    config = dataclasses.replace(head.config, num_hidden_layers=num_layers)
+    if not hasattr(head, "layers"):
+        head.layers = torch.nn.ModuleDict()
+    for i in range(had, num_layers):
+        head.layers[str(i)] = identity_layer(config).to(head.fc.weight)
+    head.config = config
+    return head
 
 
 def ttt_mask(attention_mask: torch.Tensor, step: int) -> torch.Tensor:
@@ -220,9 +254,16 @@ def init_head(head_dir: Path, target, cfg: TrainConfig, samples=()) -> Eagle3Hea
     if cfg.aux_layer_ids and tuple(cfg.aux_layer_ids) != tuple(layers):
         raise ValueError(f"--aux-layers {list(cfg.aux_layer_ids)} differs from --init {head_dir}'s aux layers "
                          f"{list(layers)}: drop --aux-layers (a trained head keeps its layers)")
+    had = head.config.num_hidden_layers
+    if had > cfg.num_layers:
+        raise ValueError(f"--init {head_dir} has {had} decoder layers, this run asks for {cfg.num_layers}: pass "
+                         f"--num-layers {had} or more (added layers start as the identity)")
     head.set_target_embedding(target.get_input_embeddings())
-    logger.info("EAGLE-3 head from %s: draft vocab %d, aux layers %s", head_dir, head.config.draft_vocab_size,
-                list(layers))
+    if had < cfg.num_layers:
+        grown(head, cfg.num_layers)
+    logger.info("EAGLE-3 head from %s: %d decoder layer(s)%s, draft vocab %d, aux layers %s", head_dir,
+                cfg.num_layers, f" ({cfg.num_layers - had} added as the identity)" if had < cfg.num_layers else "",
+                head.config.draft_vocab_size, list(layers))
     if cfg.revocab:
         _revocab(head, target, samples)
     elif samples:

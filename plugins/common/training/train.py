@@ -51,7 +51,8 @@ class TrainConfig:
     ttt_steps: EAGLE-3 training-time-test steps unrolled per batch (step j drafts the
     token j+1 places past the first draft). step_decay: loss weight of step / head j
     is step_decay**j. draft_vocab_size: EAGLE-3 draft vocabulary (most frequent
-    assistant tokens of the training data). num_heads / num_layers: Medusa.
+    assistant tokens of the training data). num_heads: Medusa; num_layers: EAGLE-3 decoder
+    layers or Medusa residual blocks per head.
     save_dtype: dtype of the written head. checkpoint_every: steps between checkpoints.
     reuse: optimizer steps per target pass (>1 trades data diversity for speed where the
     frozen target's forward dominates, e.g. a busy CPU); steps count optimizer steps.
@@ -139,6 +140,8 @@ class TrainConfig:
         if self.init and self.resume:
             raise ValueError("--init and --resume exclude each other: --init starts a new run from a trained "
                              "head, --resume continues this run's checkpoint (which already holds --init's start)")
+        if self.method == "eagle3" and self.num_layers < 1:
+            raise ValueError(f"--num-layers must be >= 1 for an EAGLE-3 head (its decoder layers), got {self.num_layers}")
         if self.revocab and not (self.init and self.method == "eagle3"):
             raise ValueError("--revocab rebuilds an EAGLE-3 head's draft vocabulary from this run's data when it "
                              "starts from a trained head: pass it with `specplug train eagle3 --init HEAD` (a new "
@@ -750,7 +753,8 @@ _HELP = {
     "max_length": "tokens per training sample", "batch_size": "samples per step", "lr": "peak learning rate",
     "ttt_steps": "EAGLE-3 training-time-test steps unrolled", "step_decay": "loss weight decay per step/head",
     "draft_vocab_size": "EAGLE-3 draft vocabulary size",
-    "num_layers": "Medusa residual blocks per head (with --init: more than HEAD has appends identity blocks)",
+    "num_layers": "EAGLE-3: decoder layers of the head; Medusa: residual blocks per head (with --init: more "
+                  "than HEAD has appends identity layers / blocks)",
     "topk": "Medusa: ranks whose accuracy is recorded",
     "reuse": "optimizer steps per target pass",
     "heldout_samples": "conversations kept out of training (Medusa rank accuracies)",
