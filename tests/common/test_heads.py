@@ -250,10 +250,10 @@ def test_tree_mask_equals_each_path_as_a_chain(layers):
         path = anc[node].nonzero().flatten()
         n = len(path)
         chain = head(ids[:, path], g[:, path], torch.arange(3, 3 + n)[None], causal(n, 3), past)
-        torch.testing.assert_close(tree.hidden[0, node], chain.hidden[0, -1], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(tree.hidden[0, node], chain.hidden[0, -1], rtol=1e-4, atol=1e-4)
     both = head(ids.repeat(2, 1), g.repeat(2, 1, 1), pos.repeat(2, 1), mask.repeat(2, 1, 1),
                 tuple(x.repeat(2, 1, 1, 1) for x in past))
-    torch.testing.assert_close(both.hidden[1], tree.hidden[0])
+    torch.testing.assert_close(both.hidden[1], tree.hidden[0], rtol=1e-5, atol=1e-4)  # fp32 rounding of batched matmuls
 
 
 def test_norm_before_residual_changes_the_output():

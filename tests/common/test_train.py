@@ -223,6 +223,8 @@ def test_init_grows_an_eagle3_head_by_identity_layers(trained, tiny_llama_path, 
     before = head(ids, hidden, pos, mask)
     after = E.grown(head, 3)(ids, hidden, pos, mask)
     assert head.config.num_hidden_layers == 3 and len(head.later_layers()) == 2
+    built = Eagle3Head(head.config)  # what --resume builds: the optimizer state indexes parameters() in order
+    assert [n for n, _ in head.named_parameters()] == [n for n, _ in built.named_parameters()]
     assert torch.equal(after.hidden, before.hidden) and after.kv[0].shape[1] == 3 * before.kv[0].shape[1]
     same = T.train(_config("eagle3", tiny_llama_path, tmp_path / "a", counting_data, steps=2, init=str(folder)))
     deep = T.train(_config("eagle3", tiny_llama_path, tmp_path / "b", counting_data, steps=2, init=str(folder),

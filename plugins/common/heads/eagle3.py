@@ -475,8 +475,6 @@ class Eagle3Head(TargetEmbedding, nn.Module):
             self.embed_tokens = nn.Embedding(config.vocab_size, h)
         self.fc = nn.Linear(config.fc_input_size, h, bias=False)
         self.midlayer = Eagle3DecoderLayer(config)
-        if config.num_hidden_layers > 1:
-            self.layers = nn.ModuleDict({str(i): Eagle3LaterLayer(config) for i in range(1, config.num_hidden_layers)})
         self.norm = RMSNorm(h, config.rms_norm_eps)
         self.lm_head = nn.Linear(h, config.draft_vocab_size, bias=False)
         self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
@@ -484,6 +482,9 @@ class Eagle3Head(TargetEmbedding, nn.Module):
         self.t2d[: config.draft_vocab_size] = True
         self.inv_freq = rope_inv_freq(config)  # float32, deliberately not a buffer: .to(dtype) must not round it
         self._target_embedding: list[nn.Module] = []  # a list keeps it out of the state_dict
+        if config.num_hidden_layers > 1:  # registered last, where training.eagle3.grown appends them, so
+            # parameters() has one order for a built and a grown head (an optimizer state indexes by it)
+            self.layers = nn.ModuleDict({str(i): Eagle3LaterLayer(config) for i in range(1, config.num_hidden_layers)})
 
     # -- construction ------------------------------------------------------------------
     @classmethod
