@@ -15,6 +15,7 @@ import torch
 
 from specplug.common.drafting import int8
 from specplug.common.drafting.runner import DraftStep, Segment, masked_attention
+from specplug.common.heads.eagle3 import split_kv, stack_kv
 
 
 class _DenseLayer:
@@ -45,8 +46,11 @@ class _DenseLayer:
         """The segments with layer i's past keys/values: kv heads [i*kvh, (i+1)*kvh)."""
         if len(self.layers) == 1:
             return segments
-        heads = slice(i * self.num_kv_heads, (i + 1) * self.num_kv_heads)
-        return [seg._replace(past_key=seg.past_key[:, heads], past_value=seg.past_value[:, heads]) for seg in segments]
+        parts = []
+        for seg in segments:  # the core head's stacked layout ([S, layers * kv_heads, D]), split its way
+            key, value = split_kv((seg.past_key, seg.past_value), len(self.layers))[i]
+            parts.append(seg._replace(past_key=key, past_value=value))
+        return parts
 
     def _attention(self, x, positions, segments, i: int = 0):
         """x [T, In] -> (o_proj output [T, H], key, value [T, kv_heads, D]): layer i's
@@ -119,16 +123,15 @@ class DenseEagle3Head(_DenseLayer):
         out, key, value = self._attention(torch.cat([embeds, normed], dim=-1), positions, segments)  # [T, 2H] in
         out, residual = layer.post_attention_layernorm(out, residual)
         out = layer.mlp(out)
-        keys, values = [key], [value]
+        kvs = [(key, value)]
         for i, later in enumerate(self.layers[1:], start=1):  # vLLM's LlamaModel.forward, layer by layer
             normed, residual = later.input_layernorm(out, residual)
             out, key, value = self._attention(normed, positions, segments, i)
             out, residual = later.post_attention_layernorm(out, residual)
             out = later.mlp(out)
-            keys.append(key)
-            values.append(value)
+            kvs.append((key, value))
         normed_out, prenorm = self.model.model.norm(out, residual)
-        key, value = (torch.cat(keys, dim=1), torch.cat(values, dim=1)) if len(keys) > 1 else (key, value)
+        key, value = stack_kv(kvs)  # [T, layers * kv_heads, D]
         return DraftStep(self._logprobs(normed_out, logit_rows), prenorm, key, value)
 
 class DenseEagle1Head(_DenseLayer):

@@ -93,7 +93,7 @@ def _eagle3_expected(config: dict, where: str) -> tuple[dict, dict]:
     optional = {"embed_tokens.weight": (vocab, h), "t2d": (vocab,), "d2t": (draft,)}
     if draft != vocab:
         required["d2t"] = optional.pop("d2t")
-    _eagle3_flagged(config, required, h, heads, kv, head_dim, inter, ht, fc_in)
+    _eagle3_flagged(config, required, layers, h, heads, kv, head_dim, inter, ht, fc_in)
     return required, optional
 
 
@@ -109,9 +109,9 @@ def _llama_layer_expected(m: str, width, h, heads, kv, head_dim, inter) -> dict:
     }
 
 
-def _eagle3_flagged(config, required, h, heads, kv, head_dim, inter, ht, fc_in) -> None:
+def _eagle3_flagged(config, required, layers, h, heads, kv, head_dim, inter, ht, fc_in) -> None:
     """Tensors that config flags switch on (biases, the norm_before_fc / fc_norm variants)."""
-    prefixes = ["midlayer."] + [f"layers.{i}." for i in range(1, config.get("num_hidden_layers", 1))]
+    prefixes = ["midlayer."] + [f"layers.{i}." for i in range(1, layers)]
     for m in prefixes:
         if config.get("attention_bias"):
             for proj, rows in (("q", heads * head_dim), ("k", kv * head_dim), ("v", kv * head_dim), ("o", h)):

@@ -399,14 +399,16 @@ class Eagle3LaterLayer(nn.Module):
 
 def split_kv(past_kv, layers: int) -> list:
     """One (k, v) [B, kv_heads, S, D] per layer from the stacked [B, layers * kv_heads, S, D]
-    (None: no past, for every layer)."""
+    (None: no past, for every layer). Any layout with the kv heads on dim 1 splits the same
+    way (the vLLM adapter's [S, layers * kv_heads, D])."""
     if past_kv is None:
         return [None] * layers
     return list(zip(past_kv[0].chunk(layers, dim=1), past_kv[1].chunk(layers, dim=1)))
 
 
 def stack_kv(kvs: list) -> tuple[torch.Tensor, torch.Tensor]:
-    """The layers' (k, v) [B, kv_heads, T, D] side by side: [B, layers * kv_heads, T, D]."""
+    """The layers' (k, v) [B, kv_heads, T, D] side by side: [B, layers * kv_heads, T, D]
+    (or [T, kv_heads, D] -> [T, layers * kv_heads, D]: the kv heads on dim 1)."""
     if len(kvs) == 1:
         return kvs[0]
     return torch.cat([k for k, _ in kvs], dim=1), torch.cat([v for _, v in kvs], dim=1)
@@ -482,9 +484,9 @@ class Eagle3Head(TargetEmbedding, nn.Module):
         self.t2d[: config.draft_vocab_size] = True
         self.inv_freq = rope_inv_freq(config)  # float32, deliberately not a buffer: .to(dtype) must not round it
         self._target_embedding: list[nn.Module] = []  # a list keeps it out of the state_dict
-        if config.num_hidden_layers > 1:  # registered last, where training.eagle3.grown appends them, so
-            # parameters() has one order for a built and a grown head (an optimizer state indexes by it)
-            self.layers = nn.ModuleDict({str(i): Eagle3LaterLayer(config) for i in range(1, config.num_hidden_layers)})
+        # always registered (empty for one layer: no state_dict keys), so a head grown by adding
+        # entries (training.eagle3.grown) and one built with them list parameters() in one order
+        self.layers = nn.ModuleDict({str(i): Eagle3LaterLayer(config) for i in range(1, config.num_hidden_layers)})
 
     # -- construction ------------------------------------------------------------------
     @classmethod
@@ -535,7 +537,7 @@ class Eagle3Head(TargetEmbedding, nn.Module):
 
     def later_layers(self) -> list[Eagle3LaterLayer]:
         """Layers 1 .. num_hidden_layers - 1 in order (none for a one-layer head)."""
-        return list(self.layers.values()) if hasattr(self, "layers") else []
+        return list(self.layers.values())
 
     def compute_logits(self, normed: torch.Tensor) -> torch.Tensor:
         """[..., H] -> draft-vocab logits [..., draft_vocab]."""

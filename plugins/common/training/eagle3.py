@@ -175,8 +175,6 @@ def grown(head: Eagle3Head, num_layers: int) -> Eagle3Head:
     there."""
     had = head.config.num_hidden_layers
     config = dataclasses.replace(head.config, num_hidden_layers=num_layers)
-    if not hasattr(head, "layers"):
-        head.layers = torch.nn.ModuleDict()
     for i in range(had, num_layers):
         head.layers[str(i)] = identity_layer(config).to(head.fc.weight)
     head.config = config
