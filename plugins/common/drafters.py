@@ -210,14 +210,15 @@ class MedusaDrafter:
 
     def fill(self, logits: torch.Tensor, roots: torch.Tensor, tree: TreeConfig) -> TreeBatch:
         """The static tree for `tree` under roots Long [B], filled with each head's top-k of
-        logits [K, B, V]."""
+        logits [K, B, V]; scores [B, N] the template's path_scores (the same for every request)."""
         template = self.template(tree)
         topk = int(template.tokens.max()) + 1
         head_tokens = logits.topk(topk, dim=-1).indices.transpose(0, 1)  # [B, K, topk]
         candidates = tree_lib.fill_static(template, roots.to(head_tokens.device), head_tokens)  # [B, N]
         parents = template.parents.to(candidates.device).expand_as(candidates).clone()
         num_nodes = torch.full((candidates.shape[0],), template.num_nodes, dtype=torch.long, device=candidates.device)
-        return TreeBatch(candidates, parents, num_nodes)
+        scores = template.scores.to(candidates.device).expand(candidates.shape).clone()  # [B, N]
+        return TreeBatch(candidates, parents, num_nodes, scores)
 
     @torch.no_grad()
     def draft_sampled(self, request_ids, tree: TreeConfig, sampled) -> TreeBatch:
@@ -247,10 +248,23 @@ class MedusaDrafter:
         return self.draft(request_ids, TreeConfig(depth=k, topk=1, budget=k))
 
     def template(self, tree: TreeConfig) -> tree_lib.DraftTree:
-        """The static tree (tokens = top-k ranks) for `tree`, cached per TreeConfig."""
+        """The static tree (tokens = top-k ranks, scores = path_scores) for `tree`, cached
+        per TreeConfig."""
         if tree not in self._templates:
-            self._templates[tree] = self._build_template(tree)
+            template = self._build_template(tree)
+            self._templates[tree] = tree_lib.DraftTree(template.tokens, template.parents, self.path_scores(template))
         return self._templates[tree]
+
+    def path_scores(self, template: tree_lib.DraftTree) -> torch.Tensor:
+        """Float [N]: log estimated acceptance of each node's path, the sum over it of
+        log accuracy[head, rank] (head_accuracies, else the prior; a rank past the table's
+        last column counts as that column). What merging with other drafters' trees ranks."""
+        ranks = int(template.tokens.max()) + 1
+        acc = self.head_accuracies if self.head_accuracies is not None else prior_accuracies(self.heads.num_heads, ranks)
+        depth = template.depth
+        node = acc[(depth - 1).clamp(min=0), template.tokens.clamp(max=acc.shape[1] - 1)].log().float()  # [N]
+        node[0] = 0.0
+        return tree_lib.path_reduce(node, template.parents, torch.add)
 
     def _build_template(self, tree: TreeConfig) -> tree_lib.DraftTree:
         num_heads = self.heads.num_heads

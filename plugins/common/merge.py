@@ -76,3 +76,38 @@ def _merge_one(trees, budget: int) -> DraftTree:
         out_parents.append(index[path[:-1]])
         out_scores.append(nodes[path])
     return DraftTree(out_tokens, out_parents, out_scores)
+
+
+class MergedDrafter:
+    """The hybrid drafting of the engines for the reference loop: several
+    `specplug.common.drafters.Drafter`s (a head, the retrieval drafter) given the same
+    prefill and commits, their trees merged each step under the tree's budget.
+
+    Invariant: every source sees the same committed tokens, so their trees share each
+    request's root (the last committed token). Hidden states are the first source's
+    (`target_hidden_layers`); a source that ignores them (retrieval) is given them too.
+    """
+
+    def __init__(self, drafters: Sequence):
+        if not drafters:
+            raise ValueError("MergedDrafter needs at least one drafter")
+        self.drafters = list(drafters)
+
+    def target_hidden_layers(self, num_target_layers: int) -> tuple[int, ...]:
+        return self.drafters[0].target_hidden_layers(num_target_layers)
+
+    def prefill(self, request_ids, prompt_ids, hidden, first_tokens) -> None:
+        for d in self.drafters:
+            d.prefill(request_ids, prompt_ids, hidden, first_tokens)
+
+    def commit(self, request_ids, accepted_tokens, hidden, bonus) -> None:
+        for d in self.drafters:
+            d.commit(request_ids, accepted_tokens, hidden, bonus)
+
+    def draft(self, request_ids, tree) -> TreeBatch:
+        """Each source's tree for `tree`, merged into `tree.budget` nodes per request."""
+        return merge_trees([d.draft(request_ids, tree) for d in self.drafters], tree.budget)
+
+    def release(self, request_ids) -> None:
+        for d in self.drafters:
+            d.release(request_ids)

@@ -12,6 +12,8 @@ says so, lossless; the test bed's smollm2-eagle3, or `--head` when it is an EAGL
 head), `eagle3-head` (the same head alone: argmax top-k trees, verified with the
 target-only rule) and `eagle3-sampled` (the head alone, trees drawn from q at the run's
 `--temperature`, verified with q: the acceptance gain of sampled drafts at T > 0),
+`medusa-hybrid` (MEDUSA with the heads' trees merged with the retrieval drafter's under
+the same node budget: SPECPLUG_RETRIEVAL=1, lossless),
 `medusa-typical` (the same heads with typical acceptance, LOSSY), `medusa-adaptive`
 (MEDUSA with adaptive speculation: `--speculative-adaptive`) and `medusa-sampled` (MEDUSA
 drafting chains from the heads' q at the run's `--temperature`, verified with q). With `--adaptive`, every
@@ -126,7 +128,8 @@ class SglangRunner:
         return (["none", "ngram", "retrieval"] + (["draft-model"] if self.draft_model else [])
                 + (["self-spec"] if self.self_spec_layers else [])
                 + (["eagle3", "eagle3-head", "eagle3-sampled"] if self.eagle3_head else [])
-                + (["medusa", "medusa-typical", "medusa-adaptive", "medusa-sampled"] if self.head else []))
+                + (["medusa", "medusa-hybrid", "medusa-typical", "medusa-adaptive", "medusa-sampled"]
+                   if self.head else []))
 
     def speculative_args(self, method: str) -> dict:
         if method == "none":
@@ -152,7 +155,7 @@ class SglangRunner:
         medusa = {"speculative_algorithm": "MEDUSA", "speculative_draft_model_path": self.head}
         if self.adaptive or method == "medusa-adaptive":
             medusa["speculative_adaptive"] = True
-        if method in ("medusa", "medusa-adaptive", "medusa-sampled"):
+        if method in ("medusa", "medusa-hybrid", "medusa-adaptive", "medusa-sampled"):
             return medusa
         if method == "medusa-typical":
             return {**medusa, **TYPICAL}
@@ -166,6 +169,8 @@ class SglangRunner:
             return {ENV_DRAFTER: json.dumps({"layers": self.self_spec_layers})}
         if method == "eagle3-head":
             return {ENV_RETRIEVAL: "0"}
+        if method == "medusa-hybrid":
+            return {ENV_RETRIEVAL: "1"}
         if method in ("eagle3-sampled", "medusa-sampled"):
             if not self.temperature > 0:
                 raise SystemExit(f"specplug bench: method {method!r} draws drafts at the run's temperature: "

@@ -44,7 +44,6 @@ from specplug.common.drafting.eagle import Committed, EagleDrafting, Root
 from specplug.common.drafting import int8
 from specplug.common.drafting.runner import TorchHeadRunner
 from specplug.common.drafting.sampled import SampledDrafts, sampled_tree
-from specplug.common.merge import merge_trees
 from specplug.common.tree import DraftTree, TreeBatch, TreeConfig, stack_trees
 from specplug.sglang_medusa import batch_view as view
 from specplug.sglang_medusa.settings import Eagle3Settings, eagle3_settings_from_server_args
@@ -88,7 +87,6 @@ class Eagle3Worker(TreeVerifyWorker):
         self.max_live = 2 * int(cfg.max_running_requests or 48)
         self.sampled = SampledDrafts(self.settings.draft_temperature)
         self.sampled_tree = sampled_tree(self.settings.tree)
-        self.token_drafts = None  # hybrid drafting: a SyncedTokenDrafter, or None
         if self.settings.drafter is not None:
             self.token_drafts = synced_drafter(self.settings.drafter, cfg, self.model_runner)
         feature = "the target's final hidden state"
@@ -135,14 +133,12 @@ class Eagle3Worker(TreeVerifyWorker):
     def clear_cache_pool(self):
         self.drafting.free(list(self.drafting.caches))
         self.roots.clear()
-        if self.token_drafts is not None:
-            self.token_drafts.clear()
+        self._free_token_drafts()
 
     def note_request_finished(self, *, rid: str, natural_stop: bool) -> None:
         self.drafting.free([rid])
         self.roots.pop(rid, None)
-        if self.token_drafts is not None:
-            self.token_drafts.free(rid)
+        self._free_token_drafts(rid)
 
     # ------------------------------------------------------------------ committed rows
 
@@ -206,10 +202,8 @@ class Eagle3Worker(TreeVerifyWorker):
         drafter's when hybrid; [B, n] with n <= num_nodes."""
         if self.sampled.on and not view.sampling(batch).all_greedy:
             return self._sampled_trees(batch)
-        trees = self._head_trees(batch)
-        if self.token_drafts is not None:
-            found = self.token_drafts.draft(batch, max_depth=self.settings.tree.depth)
-            trees = merge_trees([trees, found], self.settings.tree.budget)
+        trees = self._with_token_drafts(batch, self._head_trees(batch), self.settings.tree.budget,
+                                        self.settings.tree.depth)
         return trees, batch_layout(trees)
 
     def _sampled_trees(self, batch) -> tuple[TreeBatch, dict]:

@@ -30,6 +30,10 @@ chosen by the environment variable SPECPLUG_MEDUSA_TREE (read in every SGLang pr
 "optimal" (default: Medusa's optimal sparse tree for the heads' measured accuracies,
 within the node budget), "chain", or explicit Medusa choices as JSON (`[[0], [1], [0, 0]]`)
 or a path to a JSON file holding them.
+
+Hybrid drafting, as for SPECPLUG_EAGLE3 and in vLLM: the section's "retrieval" / "drafter"
+(SPECPLUG_RETRIEVAL / SPECPLUG_DRAFTER overriding) merges that token drafter's trees with
+the heads' under the same node budget each greedy step.
 """
 
 from __future__ import annotations
@@ -74,6 +78,7 @@ class MedusaSettings:
     head_accuracies: tuple[tuple[float, ...], ...] | None = None
     adaptive: bool = False
     draft_temperature: float | None = None  # batches with sampled requests: chains drawn from the heads' q
+    drafter: DrafterChoice | None = None  # hybrid drafting: a token drafter's trees merged with the heads'
 
     @property
     def num_nodes(self) -> int:
@@ -183,8 +188,20 @@ def settings_from_server_args(cfg, adaptive_arg: bool = False, environ=None) -> 
         choices=choices, verification=verification, typical_epsilon=eps, typical_delta=delta,
         head_accuracies=None if accuracies is None else tuple(tuple(map(float, r)) for r in accuracies),
         adaptive=adaptive_flag({**section, "adaptive": section.get("adaptive", False) or bool(adaptive_arg)}, environ),
-        draft_temperature=temperature,
+        draft_temperature=temperature, drafter=_hybrid_choice(section, environ, "MEDUSA"),
     )
+
+
+def _hybrid_choice(section, environ, algorithm: str) -> DrafterChoice | None:
+    """The token drafter merged with the heads' trees (token_drafters.drafter_choice:
+    the section's "retrieval" / "drafter", SPECPLUG_RETRIEVAL / SPECPLUG_DRAFTER), checked."""
+    try:
+        drafter = drafter_choice(section, environ)
+        if drafter is not None:
+            check_choice(drafter)
+    except ValueError as exc:
+        raise ValueError(f"{algorithm}: {exc}") from exc
+    return drafter
 
 
 @dataclass(frozen=True)
@@ -305,12 +322,7 @@ def eagle3_settings_from_server_args(cfg, environ=None) -> Eagle3Settings:
     budget = _positive("--speculative-num-draft-tokens minus one", base.budget if nodes is None else nodes - 1,
                        EAGLE3)
     tree = TreeConfig(depth=depth, topk=topk, budget=budget, stop_below=base.stop_below)
-    try:
-        drafter = drafter_choice(section, environ)
-        if drafter is not None:
-            check_choice(drafter)
-    except ValueError as exc:
-        raise ValueError(f"{EAGLE3}: {exc}") from exc
+    drafter = _hybrid_choice(section, environ, EAGLE3)
     try:
         weights = head_weights(section, environ)
     except (TypeError, ValueError) as exc:

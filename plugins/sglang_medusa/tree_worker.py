@@ -33,6 +33,7 @@ import time
 import torch
 
 from specplug.common import sampling
+from specplug.common.merge import merge_trees
 from specplug.common.metrics import AcceptanceStats
 from specplug.common.request_rules import apply_rules
 from specplug.common.tree import DraftTree, TreeBatch, ancestor_mask, sglang_layout, tree_depths
@@ -89,6 +90,7 @@ class TreeVerifyWorker(BaseSpecWorker):
     typical_epsilon = sampling.TYPICAL_EPSILON
     typical_delta = sampling.TYPICAL_DELTA
     times_verify = False
+    token_drafts = None  # hybrid drafting: a head worker's token_worker.SyncedTokenDrafter, or None
 
     def __init__(self, server_args, target_worker, num_nodes: int):
         super().__init__()
@@ -121,6 +123,26 @@ class TreeVerifyWorker(BaseSpecWorker):
     def _verified(self, tree: TreeBatch, verdict: sampling.VerifyResult, seconds: float | None) -> None:
         """Result of a step and the seconds of its verify forward (None unless
         `times_verify`), for adaptive drafting."""
+
+    # ------------------------------------------------------------------ hybrid drafting
+
+    def _with_token_drafts(self, batch, trees: TreeBatch, budget: int, depth: int) -> TreeBatch:
+        """The head's trees merged with the token drafter's (rooted at the same last
+        committed tokens, paths up to `depth`) into at most `budget` draft nodes per
+        request (specplug.common.merge); `trees` itself when the worker is not hybrid."""
+        if self.token_drafts is None:
+            return trees
+        found = self.token_drafts.draft(batch, max_depth=depth)
+        return merge_trees([trees, found], budget)
+
+    def _free_token_drafts(self, rid: str | None = None) -> None:
+        """A finished request's token-drafter copy (None: everything, SGLang's flush_cache)."""
+        if self.token_drafts is None:
+            return
+        if rid is None:
+            self.token_drafts.clear()
+        else:
+            self.token_drafts.free(rid)
 
     # ------------------------------------------------------------------ one scheduler step
 

@@ -18,6 +18,11 @@ verify-pass timings by tokens in the batch, heads timings by batch, and the veri
 results. A smaller tree uses the first n of the KV slots SGLang reserved, and "none"
 verifies the root alone (n = 1, no heads pass): an ordinary decode step through the
 verify path.
+
+Hybrid drafting (the heads' "retrieval" / "drafter", SPECPLUG_RETRIEVAL / SPECPLUG_DRAFTER):
+each drafted static tree is merged with the token drafter's tree of the same root under
+the static tree's node count (specplug.common.merge, on the heads' path scores), so a
+step's trees differ per request; sampled-draft steps and root-only steps are not merged.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ from specplug.common.drafting.sampled import SampledDrafts, sampled_tree
 from specplug.common.tree import DraftTree, TreeBatch, TreeConfig
 from specplug.sglang_medusa import batch_view as view
 from specplug.sglang_medusa.settings import MedusaSettings, settings_from_server_args
+from specplug.sglang_medusa.token_worker import synced_drafter
 from specplug.sglang_medusa.tree_worker import ROOT_ONLY, TreeVerifyWorker, batch_layout, root_only_batch, tree_layout
 
 logger = logging.getLogger(__name__)
@@ -71,8 +77,11 @@ class MedusaWorker(TreeVerifyWorker):
         self._budgets: dict = {}  # SpecOption -> (TreeConfig, layout)
         if self.settings.adaptive:
             self._start_adaptive()
-        logger.info("MEDUSA worker: %d heads, %d-node tree (depth %d), %s verification", self.drafter.heads.num_heads,
-                    self.num_nodes, self.template.max_depth, self.settings.verification)
+        if self.settings.drafter is not None:
+            self.token_drafts = synced_drafter(self.settings.drafter, cfg, self.model_runner)
+        logger.info("MEDUSA worker: %d heads, %d-node tree (depth %d), %s verification%s",
+                    self.drafter.heads.num_heads, self.num_nodes, self.template.max_depth, self.settings.verification,
+                    "" if self.token_drafts is None else f", merged with drafter {self.settings.drafter.name!r}")
 
     # ------------------------------------------------------------------ set-up
 
@@ -101,9 +110,11 @@ class MedusaWorker(TreeVerifyWorker):
 
     def clear_cache_pool(self):
         self.drafter.release(list(self.drafter.hidden))
+        self._free_token_drafts()
 
     def note_request_finished(self, *, rid: str, natural_stop: bool) -> None:
         self.drafter.release([rid])
+        self._free_token_drafts(rid)
 
     # ------------------------------------------------------------------ drafting
 
@@ -126,7 +137,10 @@ class MedusaWorker(TreeVerifyWorker):
         if option is not None:
             self.adaptive.draft_timed(len(rids), option, self._elapsed(started))
         tree.candidates[:, 0] = roots.to(tree.candidates.device)
-        return tree, layout
+        if self.token_drafts is None:
+            return tree, layout
+        merged = self._with_token_drafts(batch, tree, tree.candidates.shape[1] - 1, self.template.max_depth)
+        return merged, batch_layout(merged)
 
     def _verified(self, tree, verdict, seconds) -> None:
         if self.adaptive is not None:

@@ -250,6 +250,22 @@ def test_medusa_chain_choices_and_accuracies(target):
         drafter.draft([1])
 
 
+def test_medusa_path_scores_are_the_accuracies_multiplied_along_each_path(target):
+    """Each node's score is log of the product of accuracy[head, rank] over its path
+    (what merging with retrieval's trees ranks); every request's tree carries them."""
+    heads = random_medusa_heads(target, num_heads=3)
+    acc = torch.tensor([[0.5, 0.2], [0.4, 0.1], [0.3, 0.05]], dtype=torch.float64)
+    drafter = MedusaDrafter(heads, choices=[[0], [1], [0, 0], [0, 1], [0, 0, 0]], head_accuracies=acc)
+    want = [1.0, 0.5, 0.2, 0.5 * 0.4, 0.5 * 0.1, 0.5 * 0.4 * 0.3]
+    assert drafter.template(TreeConfig()).scores.exp().tolist() == pytest.approx(want, rel=1e-6)
+    prefill(drafter, target, 0, PROMPT, 7)
+    prefill(drafter, target, 1, PROMPT[:5], 8)
+    tree = drafter.draft([0, 1], TreeConfig())
+    assert tree.scores.exp().flatten().tolist() == pytest.approx(want * 2, rel=1e-6)
+    prior = MedusaDrafter(heads).template(TreeConfig(3, 2, 2))  # no measured accuracies: the prior's
+    assert prior.scores.exp().tolist() == pytest.approx([1.0, 0.6, 0.3], rel=1e-6)
+
+
 def test_prior_accuracies_shape():
     acc = prior_accuracies(4, 3)
     assert acc.shape == (4, 3) and float(acc[0, 0]) == pytest.approx(0.6)

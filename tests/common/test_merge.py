@@ -70,3 +70,43 @@ def test_sources_without_scores_are_refused():
         merge_trees([HEAD._replace(scores=None)], budget=4)
     with pytest.raises(ValueError, match="scores"):
         best_merged_chains([HEAD._replace(scores=None)], 4)
+
+
+class FixedDrafter:
+    """A source that drafts one fixed tree and records what it was given."""
+
+    def __init__(self, trees: TreeBatch):
+        self.trees, self.calls = trees, []
+
+    def target_hidden_layers(self, num_target_layers):
+        return (num_target_layers,)
+
+    def prefill(self, request_ids, prompt_ids, hidden, first_tokens):
+        self.calls.append(("prefill", list(request_ids)))
+
+    def commit(self, request_ids, accepted_tokens, hidden, bonus):
+        self.calls.append(("commit", list(request_ids)))
+
+    def draft(self, request_ids, tree):
+        return self.trees
+
+    def release(self, request_ids):
+        self.calls.append(("release", list(request_ids)))
+
+
+def test_merged_drafter_feeds_every_source_and_merges_under_the_budget():
+    from specplug.common.merge import MergedDrafter
+    from specplug.common.tree import TreeConfig
+
+    head, retrieval = FixedDrafter(HEAD), FixedDrafter(RETRIEVAL)
+    drafter = MergedDrafter([head, retrieval])
+    drafter.prefill(["r"], [[1]], [None], [9])
+    drafter.commit(["r"], [[]], [None], [9])
+    tree = drafter.draft(["r"], TreeConfig(depth=4, topk=4, budget=3))
+    assert paths(tree) == pytest.approx(paths(merge_trees([HEAD, RETRIEVAL], budget=3)))
+    assert int(tree.num_nodes[0]) == 4  # the root and 3 nodes
+    drafter.release(["r"])
+    assert head.calls == retrieval.calls == [("prefill", ["r"]), ("commit", ["r"]), ("release", ["r"])]
+    assert drafter.target_hidden_layers(30) == (30,)
+    with pytest.raises(ValueError, match="at least one drafter"):
+        MergedDrafter([])

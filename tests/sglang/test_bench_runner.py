@@ -8,8 +8,8 @@ from specplug.sglang_medusa.bench_runner import TYPICAL, SglangRunner, engine_ar
 
 def test_methods_and_their_speculative_arguments(sgl_model, medusa_heads):
     runner = SglangRunner(str(sgl_model), str(medusa_heads), max_new_tokens=8, temperature=0.0, seed=0, max_batch=4)
-    assert runner.methods() == ["none", "ngram", "retrieval", "medusa", "medusa-typical", "medusa-adaptive",
-                                "medusa-sampled"]
+    assert runner.methods() == ["none", "ngram", "retrieval", "medusa", "medusa-hybrid", "medusa-typical",
+                                "medusa-adaptive", "medusa-sampled"]
     assert runner.speculative_args("none") == {}
     assert runner.speculative_args("ngram")["speculative_algorithm"] == "NGRAM"
     assert runner.speculative_args("retrieval") == {"speculative_algorithm": "RETRIEVAL"}
@@ -18,6 +18,8 @@ def test_methods_and_their_speculative_arguments(sgl_model, medusa_heads):
     assert runner.speculative_args("medusa-typical") == {**medusa, **TYPICAL}
     assert runner.speculative_args("medusa-adaptive") == {**medusa, "speculative_adaptive": True}
     assert runner.speculative_args("medusa-sampled") == medusa
+    assert runner.speculative_args("medusa-hybrid") == medusa
+    assert runner.environment("medusa-hybrid") == {"SPECPLUG_RETRIEVAL": "1"} and runner.environment("medusa") == {}
     with pytest.raises(SystemExit, match="'medusa-sampled' draws drafts at the run's temperature"):
         runner.environment("medusa-sampled")
     adaptive = SglangRunner(str(sgl_model), str(medusa_heads), max_new_tokens=8, temperature=0.0, seed=0,

@@ -68,6 +68,18 @@ def test_medusa_draft_temperature(medusa_heads, monkeypatch):
         _settings(speculative_draft_model_path=str(medusa_heads))
 
 
+def test_medusa_hybrid_drafter(medusa_heads, monkeypatch):
+    """Hybrid MEDUSA: SPECPLUG_RETRIEVAL (or the section's "retrieval" / "drafter"), as
+    for SPECPLUG_EAGLE3; a misspelt field is named with the algorithm."""
+    monkeypatch.delenv("SPECPLUG_RETRIEVAL", raising=False)
+    assert _settings(speculative_draft_model_path=str(medusa_heads)).drafter is None
+    monkeypatch.setenv("SPECPLUG_RETRIEVAL", "1")
+    assert _settings(speculative_draft_model_path=str(medusa_heads)).drafter.name == "retrieval"
+    monkeypatch.setenv("SPECPLUG_RETRIEVAL", '{"ngarm": 3}')
+    with pytest.raises(ValueError, match="MEDUSA: .*ngarm"):
+        _settings(speculative_draft_model_path=str(medusa_heads))
+
+
 @pytest.mark.parametrize("kwargs, message", [
     ({}, "--speculative-draft-model-path"),
     ({"speculative_num_steps": 9}, "at most the number of Medusa heads"),

@@ -260,10 +260,13 @@ class ReferenceDrafter:
     """The `specplug.common.drafters.Drafter` protocol (prefill / draft / commit / release
     with hidden states, which retrieval ignores) over a RetrievalDrafter, so the reference
     loop drives it: ``reference.generate(target, ReferenceDrafter(), prompt, n, tree=...)``.
-    The tree's ``depth`` and ``budget`` are the draft's max_depth and budget."""
+    The tree's ``budget`` is the draft's budget; its ``depth`` the draft's max_depth
+    unless ``depth`` is given (a retrieval chain may run deeper than a head's tree, as
+    the engines' hybrid drafting lets it)."""
 
-    def __init__(self, drafter: RetrievalDrafter | None = None):
+    def __init__(self, drafter: RetrievalDrafter | None = None, depth: int | None = None):
         self.drafter = drafter or RetrievalDrafter()
+        self.depth = depth
 
     def target_hidden_layers(self, num_target_layers: int) -> tuple[int, ...]:
         """One entry (the loop needs some; retrieval ignores hidden states)."""
@@ -278,7 +281,7 @@ class ReferenceDrafter:
             self.drafter.extend(rid, token_list(accepted) + [root])
 
     def draft(self, request_ids, tree: TreeConfig = TreeConfig()) -> TreeBatch:
-        return self.drafter.draft(request_ids, budget=tree.budget, max_depth=tree.depth)
+        return self.drafter.draft(request_ids, budget=tree.budget, max_depth=self.depth or tree.depth)
 
     def release(self, request_ids) -> None:
         for rid in request_ids:

@@ -34,6 +34,7 @@ class EvalConfig:
     depth: int | None = None  # None: specplug.common.tree.TreeConfig's default
     topk: int | None = None
     budget: int | None = None
+    retrieval: bool = False  # merge the head's trees with retrieval drafts, as a head section's "retrieval": true does
 
     def tree(self):
         from specplug.common.tree import TreeConfig
@@ -58,6 +59,16 @@ def load_drafter(head_dir, target):
     return MedusaDrafter(module.eval(), head_accuracies=accuracies)
 
 
+def with_retrieval(drafter):
+    """The head's drafter merged with the retrieval drafter (the engines' hybrid trees:
+    retrieval's own defaults, its chains as deep as its max_depth, one cache over all prompts)."""
+    from specplug.common.merge import MergedDrafter
+    from specplug.common.retrieval.config import RetrievalConfig
+    from specplug.common.retrieval.drafter import ReferenceDrafter
+
+    return MergedDrafter([drafter, ReferenceDrafter(depth=RetrievalConfig().max_depth)])
+
+
 def pick_prompts(name: str, tokenizer, count: int):
     """`count` prompts spread evenly over the set (so MT-bench's 8 categories all appear)."""
     from specplug.common.training.data import prompts
@@ -75,6 +86,7 @@ def evaluate(target, tokenizer, drafter, cfg: EvalConfig) -> dict:
     from specplug.common.sampling import SamplingConfig
 
     stats, tokens, seconds = AcceptanceStats(), 0, 0.0
+    drafter = with_retrieval(drafter) if cfg.retrieval else drafter
     sampling = SamplingConfig(temperature=cfg.temperature, seed=cfg.seed)
     for i, prompt in enumerate(pick_prompts(cfg.prompt_set, tokenizer, cfg.prompts)):
         ids = tokenizer(prompt.text, add_special_tokens=False, return_tensors="pt")["input_ids"][0]
@@ -102,6 +114,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--depth", type=int, default=None, help="tree depth (default: TreeConfig's)")
     parser.add_argument("--topk", type=int, default=None, help="tree top-k (default: TreeConfig's)")
     parser.add_argument("--budget", type=int, default=None, help="draft nodes (default: TreeConfig's)")
+    parser.add_argument("--retrieval", action="store_true",
+                        help="merge the head's trees with retrieval drafts under the same budget "
+                             "(what a head section's \"retrieval\": true does in vLLM and SGLang)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="specplug eval: %(message)s")
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -109,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     target = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(args.target)
     cfg = EvalConfig(args.set, args.prompts, args.tokens, args.temperature, args.seed, args.depth, args.topk,
-                     args.budget)
+                     args.budget, args.retrieval)
     print(json.dumps(evaluate(target, tokenizer, load_drafter(args.head, target), cfg), indent=2))
     return 0
 
