@@ -127,7 +127,8 @@ def test_token_drafter_follows_the_engine_and_drafts_what_the_drafter_does(tiny_
         want = fresh.draft(["r"], TreeConfig(depth=3, topk=2, budget=6))
         got = drafter.draft(["a"])
         assert torch.equal(got.candidates, want.candidates) and torch.equal(got.parents, want.parents)
-        torch.testing.assert_close(got.scores, want.scores, rtol=0, atol=1e-5)
+        # cached and fresh forwards sum in different orders: ~1e-5 relative on AVX-512 kernels
+        torch.testing.assert_close(got.scores, want.scores, rtol=1e-5, atol=1e-5)
 
     drafter.prefill("a", [3, 17, 99, 4])
     same_as_fresh([3, 17, 99, 4])
