@@ -87,8 +87,10 @@ class MethodWorker:
         self.method, self.log = method, log
         context = multiprocessing.get_context("spawn")
         self._conn, child = context.Pipe()
+        # SGLang's engine starts its scheduler as a child process, which a daemonic process
+        # may not have; a non-daemonic worker still ends with this one (its recv() raises).
         self._process = context.Process(target=_serve, args=(child, engine, args, method, log),
-                                        name=f"specplug-bench-{method}", daemon=True)
+                                        name=f"specplug-bench-{method}", daemon=engine != "sglang")
         self._process.start()
         child.close()
 

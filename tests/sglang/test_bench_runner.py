@@ -105,3 +105,25 @@ def test_self_spec_method_names_the_layers(sgl_model):
     assert runner.methods() == ["none", "ngram", "retrieval", "self-spec"]
     assert runner.speculative_args("self-spec") == {"speculative_algorithm": "SELF_SPEC", **DRAFT_MODEL_TREE}
     assert runner.environment("self-spec") == {"SPECPLUG_DRAFTER": '{"layers": "0-1"}'}
+
+
+def test_bench_interleaved_runs_each_method_in_its_own_worker(sgl_model, medusa_heads, tmp_path):
+    """--interleave 1 with SGLang: each method's engine (which starts its scheduler as a
+    child process) in its own worker process, the methods taking turns prompt by prompt;
+    every row covers all prompts, output equal to no speculation, engine noise in a log."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "specplug.cli", "bench", "--engine", "sglang", "--model", str(sgl_model),
+           "--head", str(medusa_heads), "--methods", "none,medusa-hybrid", "--interleave", "1",
+           "--batch-sizes", "1", "--max-new-tokens", "8", "--num-prompts", "2", "--out", str(tmp_path), "--json"]
+    subprocess.run(cmd, env=dict(os.environ, OMP_NUM_THREADS="1"), check=True, capture_output=True, text=True,
+                   timeout=600)
+    rows = {r["method"]: r for r in json.loads((tmp_path / "bench.json").read_text())["results"]}
+    assert list(rows) == ["none", "medusa-hybrid"]
+    for method, row in rows.items():
+        assert row["num_prompts"] == 2 and len(row["rounds"]) == 2 and row["output_tokens"] == 2 * 8
+        assert (tmp_path / "logs" / f"sglang-{method}.log").stat().st_size > 0
+    assert rows["medusa-hybrid"]["identical_to_none"] == 1.0
