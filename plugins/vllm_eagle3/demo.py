@@ -29,15 +29,16 @@ import time
 import traceback
 from pathlib import Path
 
+from specplug import testbed_heads
+
 logger = logging.getLogger(__name__)
 
-REPO_HEADS = Path(__file__).resolve().parents[2] / "heads"
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--head", default=None,
-                        help="EAGLE-3 head directory (default: the first specplug eagle3 head under heads/)")
+                        help="EAGLE-3 head directory (default: the committed test-bed head, specplug.testbed_heads)")
     parser.add_argument("--prompts", default="mtbench", help="prompt set (sharegpt, mtbench, humaneval)")
     parser.add_argument("--num-prompts", type=int, default=4, help="prompts to generate for")
     parser.add_argument("--max-tokens", type=int, default=64, help="new tokens per prompt")
@@ -51,7 +52,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
 
 
-def find_head(heads_dir: Path = REPO_HEADS) -> Path | None:
+def find_head(heads_dir: Path = testbed_heads.ROOT) -> Path | None:
     """The first directory under heads_dir whose config.json marks a specplug EAGLE-3 head."""
     for config in sorted(heads_dir.glob("*/config.json")) if heads_dir.is_dir() else []:
         section = json.loads(config.read_text()).get("specplug") or {}

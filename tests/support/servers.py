@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import socket
 import subprocess
 import time
@@ -29,3 +31,14 @@ def wait_healthy(url: str, proc: subprocess.Popen, limit_s: float) -> None:
             pass
         time.sleep(2)
     pytest.fail("server did not become healthy")
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    """SIGTERM the server's process group, SIGKILL it if it has not exited after 30 s."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(30)

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -20,7 +19,7 @@ pytest.importorskip("vllm", reason="needs the vLLM environment: bash scripts/tes
 import requests  # noqa: E402
 
 from tests.vllm.conftest import PROMPTS, SPECPLUG_CHAIN  # noqa: E402
-from tests.support.servers import free_port, wait_healthy  # noqa: E402
+from tests.support.servers import free_port, stop_server, wait_healthy  # noqa: E402
 from tests.support.tiny_eagle3 import tiny_head_dir  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -43,16 +42,6 @@ def launch_server(model, extra: list[str]) -> tuple[str, subprocess.Popen]:
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                             start_new_session=True)
     return f"http://127.0.0.1:{port}", proc
-
-
-def stop_server(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(30)
 
 
 @pytest.fixture(scope="module")
