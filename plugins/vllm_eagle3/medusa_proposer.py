@@ -4,7 +4,8 @@
 guard). Heads without a `specplug` section in config.json run vLLM's own Medusa path (a
 top-1 chain, vLLM's rejection sampler). With a section, drafting is the core's
 `MedusaDrafter` (specplug.common.drafters) run on the heads vLLM loaded
-(`LoadedMedusaHeads`, the seam), and every request is verified by specplug's sampler:
+(`LoadedMedusaHeads`, the seam; with the settings in medusa_settings.py, which imports no
+vLLM), and every request is verified by specplug's sampler:
 
 - stage "chain": the heads' top-1 chain, num_speculative_tokens <= number of heads;
 - stage "tree": the Medusa tree (the section's `choices`, else the optimal sparse tree of
@@ -23,72 +24,19 @@ it is built (`attach_to_runners`).
 
 from __future__ import annotations
 
-import json
 import logging
-from pathlib import Path
 
 import torch
 from vllm.v1.spec_decode.medusa import MedusaProposer
 
-from specplug.common.drafters import MedusaDrafter
 from specplug.common.path_choice import pad_chains
 from specplug.common.tree import TreeConfig
+from specplug.vllm_eagle3.medusa_settings import heads_in_checkpoint, medusa_drafter, medusa_settings
 from specplug.vllm_eagle3.runner_state import RunnerState
 from specplug.vllm_eagle3.sampler import SpecplugChainSampler, needs_chain
-from specplug.vllm_eagle3.settings import AdapterSettings, adapter_settings, check_head_matches_target, specplug_section
+from specplug.vllm_eagle3.settings import AdapterSettings, check_head_matches_target, specplug_section
 
 logger = logging.getLogger(__name__)
-
-
-class LoadedMedusaHeads:
-    """The core's Medusa heads seam on vLLM's loaded `Medusa` model: hidden [B, 1, H] ->
-    logits [K, B, 1, V] (what specplug.common.heads.medusa.MedusaHeads returns)."""
-
-    def __init__(self, num_heads: int):
-        self.num_heads = num_heads
-        self.model = None  # vLLM's Medusa module, bound by the proposer's load_model
-
-    def eval(self) -> "LoadedMedusaHeads":
-        return self
-
-    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
-        flat = hidden[:, 0]  # [B, H]
-        return torch.stack(self.model.compute_logits(self.model(flat)))[:, :, None]  # [K, B, 1, V]
-
-
-def medusa_settings(section: dict) -> AdapterSettings:
-    """AdapterSettings of a Medusa head's section; ValueError for what Medusa heads in vLLM
-    do not offer (adaptive, hybrid drafting, sampled drafts), naming the key to drop."""
-    settings = adapter_settings(section)
-    unsupported = {"adaptive": settings.adaptive, "drafter / retrieval": settings.drafter is not None,
-                   "draft_temperature": settings.draft_temperature is not None}
-    for key, on in unsupported.items():
-        if on:
-            raise ValueError(f"specplug Medusa heads in vLLM do not support {key!r} (stages \"chain\" and "
-                             f"\"tree\" only): drop it from the head's specplug section (or its SPECPLUG_* "
-                             "variable), or serve the heads in SGLang (--speculative-algorithm MEDUSA)")
-    return settings
-
-
-def heads_in_checkpoint(head_dir: str) -> int:
-    """The number of heads the checkpoint holds (vLLM sets the config's num_heads to
-    num_speculative_tokens, which for a tree is its node count)."""
-    config = json.loads((Path(head_dir) / "config.json").read_text())
-    return int(config.get("num_heads", config.get("medusa_num_heads", 0)))
-
-
-def medusa_drafter(section: dict, num_heads: int) -> MedusaDrafter:
-    """The core's drafter for a head's section, its heads to be bound to vLLM's module."""
-    return MedusaDrafter(LoadedMedusaHeads(num_heads), choices=section.get("choices"),
-                         head_accuracies=section.get("head_accuracies"))
-
-
-def tree_nodes(head_dir: str) -> int:
-    """The Medusa tree's non-root nodes for this head's section: vLLM's
-    num_speculative_tokens in stage "tree"."""
-    section = json.loads((Path(head_dir) / "config.json").read_text()).get("specplug") or {}
-    drafter = medusa_drafter(section, heads_in_checkpoint(head_dir))
-    return drafter.template(medusa_settings(section).tree).num_nodes - 1
 
 
 class SpecplugMedusaProposer(MedusaProposer):

@@ -30,15 +30,16 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any, Mapping
 
 from specplug.common.policy.adaptive import ENV_ADAPTIVE as ENV_ADAPTIVE_OVERRIDE
-from specplug.common.drafting.int8 import head_weights
+from specplug.common.drafting.int8 import ENV_HEAD_INT8, ENV_HEAD_WEIGHTS, head_weights
 from specplug.common.drafting.sampled import ENV_DRAFT_TEMPERATURE, draft_temperature
 from specplug.common.policy.adaptive import adaptive_flag, section_flag
 from specplug.common.policy.calibration import ENV_CALIBRATE
-from specplug.common.token_drafters import DrafterChoice, check_choice, drafter_choice
+from specplug.common.retrieval.config import ENV_RETRIEVAL
+from specplug.common.token_drafters import ENV_DRAFTER, DrafterChoice, check_choice, drafter_choice
 from specplug.common.tree import TreeConfig
 
 ENV_TREE_OVERRIDE = "SPECPLUG_TREE"
@@ -162,6 +163,38 @@ def adapter_settings(section: Mapping[str, Any], environ: Mapping[str, str] = os
     )
 
 
+# Where each AdapterSettings field (but tree) is read: (keys of the specplug section,
+# environment variables that override them, first one set wins).
+SOURCES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "verification": (("verification",), ()),
+    "stage": (("stage",), (ENV_STAGE_OVERRIDE,)),
+    "adaptive": (("adaptive",), (ENV_ADAPTIVE_OVERRIDE,)),
+    "drafter": (("drafter", "retrieval"), (ENV_DRAFTER, ENV_RETRIEVAL)),
+    "calibrate": (("calibrate",), (ENV_CALIBRATE,)),
+    "draft_temperature": (("draft_temperature",), (ENV_DRAFT_TEMPERATURE,)),
+    "gate": (("gate",), (ENV_GATE,)),
+    "head_weights": (("head_weights", "head_int8"), (ENV_HEAD_WEIGHTS, ENV_HEAD_INT8)),
+}
+
+
+def setting_sources(section: Mapping[str, Any], environ: Mapping[str, str] = os.environ) -> dict[str, str]:
+    """Where adapter_settings(section, environ) takes each value from: "env NAME",
+    "config.json" or "default"; tree fields as "tree.depth" ... (SPECPLUG_TREE's keys)."""
+    sources = {}
+    for name, (keys, envs) in SOURCES.items():
+        env = next((e for e in envs if (environ.get(e) or "").strip()), None)
+        sources[name] = f"env {env}" if env else "config.json" if any(k in section for k in keys) else "default"
+    try:
+        overridden = json.loads(environ.get(ENV_TREE_OVERRIDE) or "{}")
+    except json.JSONDecodeError:
+        overridden = {}
+    tree = section.get("tree") or {}
+    for name in (f.name for f in fields(TreeConfig)):
+        sources[f"tree.{name}"] = (f"env {ENV_TREE_OVERRIDE}" if name in overridden else
+                                   "config.json" if name in tree else "default")
+    return sources
+
+
 def check_num_speculative_tokens(settings: AdapterSettings, num_speculative_tokens: int) -> None:
     """Stage "tree" hands vLLM every kept tree node as a draft token, so vLLM must
     reserve exactly tree.budget draft slots per request; raise ValueError otherwise.
@@ -182,15 +215,17 @@ def check_num_speculative_tokens(settings: AdapterSettings, num_speculative_toke
         )
 
 
-def check_head_matches_target(head_dir: str, target_config: Any, vllm_method: str = "eagle3") -> None:
+def check_head_matches_target(head_dir: str, target_config: Any, vllm_method: str = "eagle3", *,
+                              weights: bool = True) -> None:
     """Raise ValueError naming the first field where the head cannot draft for the target:
     specplug.common.formats' validation (hidden size, vocab, aux layer ids, shapes), the
     head's kind against vLLM's method, plus vLLM's own constraints: aux layer ids
     ascending (vLLM captures sorted(set(ids)) and concatenates them in that order); no fc
-    bias in an EAGLE-1 head (vLLM 0.32's EAGLE-1 model has none to load it into)."""
+    bias in an EAGLE-1 head (vLLM 0.32's EAGLE-1 model has none to load it into).
+    weights=False reads the head's safetensors headers only (formats.load_head)."""
     from specplug.common import formats
 
-    head = formats.load_head(head_dir, target_config)
+    head = formats.load_head(head_dir, target_config, weights=weights)
     expected = HEAD_METHOD[vllm_method]
     if head.method != expected:
         kind = {"eagle3": "EAGLE-3", "eagle1": "EAGLE-1", "medusa": "Medusa"}.get(head.method, head.method)

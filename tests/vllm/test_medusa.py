@@ -1,5 +1,5 @@
 """Medusa heads with specplug trees in vLLM (method "medusa"): the core's MedusaDrafter on
-the heads vLLM loaded (medusa_proposer.LoadedMedusaHeads), verified by specplug's sampler
+the heads vLLM loaded (medusa_settings.LoadedMedusaHeads), verified by specplug's sampler
 as a chain (stage "chain") or as the whole Medusa tree in one target pass (stage "tree",
 the same TreeVerifier as EAGLE trees).
 
@@ -135,7 +135,7 @@ def test_tree_size_and_num_speculative_tokens_disagree_at_start(target):
 
 
 def test_settings_refuse_what_medusa_in_vllm_does_not_offer():
-    from specplug.vllm_eagle3.medusa_proposer import medusa_settings
+    from specplug.vllm_eagle3.medusa_settings import medusa_settings
 
     assert medusa_settings(TREE).stage == "tree"
     for extra in ({"adaptive": True}, {"draft_temperature": 0.7}, {"retrieval": True}):

@@ -36,7 +36,7 @@ def test_medusa_config_serves_specplugs_medusa_tree_on_the_converted_heads():
     from pathlib import Path
 
     from specplug import soak
-    from specplug.vllm_eagle3.medusa_proposer import heads_in_checkpoint, tree_nodes
+    from specplug.vllm_eagle3.medusa_settings import heads_in_checkpoint, tree_nodes
 
     parser = argparse.ArgumentParser()
     soak.add_arguments(parser)

@@ -38,15 +38,11 @@ class Build(NamedTuple):
 def load_extension(verbose: bool = False) -> Build:
     """Compiles (or finds in the cache) and imports the extension; never raises."""
     try:
-        import torch
         from torch.utils import cpp_extension
 
-        if torch.version.cuda is None:
-            return Build(None, f"torch {torch.__version__} was built without CUDA")
-        if not torch.cuda.is_available() and not os.environ.get("TORCH_CUDA_ARCH_LIST"):
-            return Build(None, "torch sees no CUDA device (set TORCH_CUDA_ARCH_LIST to build without one)")
-        if cpp_extension.CUDA_HOME is None:
-            return Build(None, "no CUDA toolkit found (set CUDA_HOME to a folder with bin/nvcc)")
+        reason = build_blocker()
+        if reason is not None:
+            return Build(None, reason)
         module = cpp_extension.load(
             name=EXTENSION_NAME,
             sources=[str(SOURCE_DIR / s) for s in SOURCES],
@@ -60,3 +56,36 @@ def load_extension(verbose: bool = False) -> Build:
         logger.debug("specplug CUDA verify extension failed to build", exc_info=True)
         return Build(None, f"{type(exc).__name__}: {message}")
     return Build(module, None)
+
+
+def build_blocker() -> str | None:
+    """Why the extension cannot be built in this environment (torch without CUDA, no device
+    and no TORCH_CUDA_ARCH_LIST, no CUDA toolkit), or None. Builds nothing."""
+    import torch
+    from torch.utils import cpp_extension
+
+    if torch.version.cuda is None:
+        return f"torch {torch.__version__} was built without CUDA"
+    if not torch.cuda.is_available() and not os.environ.get("TORCH_CUDA_ARCH_LIST"):
+        return "torch sees no CUDA device (set TORCH_CUDA_ARCH_LIST to build without one)"
+    if cpp_extension.CUDA_HOME is None:
+        return "no CUDA toolkit found (set CUDA_HOME to a folder with bin/nvcc)"
+    return None
+
+
+def cached_build() -> Path | None:
+    """The compiled extension in torch's extension cache for this Python and CUDA (where
+    load_extension would find it), or None; builds and imports nothing."""
+    import sys
+
+    import torch
+    from torch.utils import cpp_extension
+
+    root = os.environ.get("TORCH_EXTENSIONS_DIR")
+    if root is None:  # torch's own layout: <root>/py311_cu128/<name>/
+        if torch.version.cuda is None:
+            return None
+        tag = f"py{sys.version_info.major}{sys.version_info.minor}{getattr(sys, 'abiflags', '')}"
+        root = Path(cpp_extension.get_default_build_root()) / f"{tag}_cu{torch.version.cuda.replace('.', '')}"
+    built = Path(root) / EXTENSION_NAME / f"{EXTENSION_NAME}.so"
+    return built if built.is_file() else None

@@ -172,15 +172,28 @@ def eagle3_weights(state: Mapping[str, torch.Tensor], fmt: str = "int8", dtype: 
     `fmt` from a canonical state dict, for a head running in `dtype` on `device`.
     ValueError, before anything is quantized, when the state dict lacks a linear or the
     format cannot run (format_reason: int4's packing raises on widths it cannot take)."""
-    missing = [name for names in EAGLE3_LINEARS.values() for name in names if name not in state]
-    if missing:
-        raise ValueError(f"the head's state dict lacks {missing}: pass a canonical EAGLE-3 state dict "
-                         "(specplug.common.formats.load_head(...).state_dict)")
-    weights = {role: torch.cat([state[n] for n in names]) for role, names in EAGLE3_LINEARS.items()}
+    weights = _eagle3_linears(state)
     reason = format_reason(fmt, dtype, device, [tuple(w.shape) for w in weights.values()])
     if reason is not None:
         raise ValueError(reason)
     return {role: quantizer(fmt)(w) for role, w in weights.items()}
+
+
+def eagle3_reason(state: Mapping[str, torch.Tensor], fmt: str, dtype: torch.dtype,
+                  device: torch.device | str = "cpu") -> str | None:
+    """Why the EAGLE-3 head of a canonical state dict cannot run its linears with `fmt`
+    weights in `dtype` on `device` (format_reason on their shapes), or None. Reads shapes
+    only: meta tensors (formats.load_head(..., weights=False)) do."""
+    return format_reason(fmt, dtype, device, [tuple(w.shape) for w in _eagle3_linears(state).values()])
+
+
+def _eagle3_linears(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """{role: weight} of EAGLE3_LINEARS, each role's tensors concatenated along the output dim."""
+    missing = [name for names in EAGLE3_LINEARS.values() for name in names if name not in state]
+    if missing:
+        raise ValueError(f"the head's state dict lacks {missing}: pass a canonical EAGLE-3 state dict "
+                         "(specplug.common.formats.load_head(...).state_dict)")
+    return {role: torch.cat([state[n] for n in names]) for role, names in EAGLE3_LINEARS.items()}
 
 
 def relative_error(out: torch.Tensor, reference: torch.Tensor) -> float:

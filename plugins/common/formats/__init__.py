@@ -32,7 +32,8 @@ tensors is bit-exact; weights are read only with safetensors or
 before any weight is used.
 
 Modules: ``base`` (the formats' names, CheckpointError, LoadedHead, SaveReport),
-``files`` (reading a folder), ``parse`` (detection; source format -> canonical),
+``files`` (reading a folder; ``read_header``: a safetensors file's tensors as shape-only
+meta tensors, for dry runs), ``parse`` (detection; source format -> canonical),
 ``checks`` (validation, against the target too), ``write`` (load, canonical -> format,
 save, convert, head modules); EAGLE-1 specifics in specplug.common.formats.eagle1.
 """
@@ -42,6 +43,7 @@ from .base import (
     NUM_AUX_HIDDEN_STATES, SAFETENSORS_METADATA, CheckpointError, LoadedHead, SaveReport,
 )
 from .checks import TargetDims, target_dims, validate
+from .files import read_header
 from .parse import detect_format
 from .write import convert, load_head, load_head_module, save_head
 
@@ -49,5 +51,5 @@ __all__ = [
     "CANONICAL_FORMAT", "DEFAULT_SPECULATIVE_TOKENS", "EAGLE3_ARCHITECTURE", "FORMATS", "MEDUSA_HEAD_FILE",
     "METHOD_OF_FORMAT", "NUM_AUX_HIDDEN_STATES", "SAFETENSORS_METADATA", "CheckpointError", "LoadedHead",
     "SaveReport", "TargetDims", "target_dims", "validate", "detect_format", "convert", "load_head",
-    "load_head_module", "save_head",
+    "load_head_module", "save_head", "read_header",
 ]

@@ -11,6 +11,12 @@ import torch
 
 from .base import CheckpointError, MEDUSA_HEAD_FILE
 
+# A shapes-only read (weights=False) still reads these in full: validation checks their values.
+VOCAB_MAPS = ("d2t", "t2d", "token_map")
+_SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                       "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+                       "U8": torch.uint8, "BOOL": torch.bool}
+
 # ---------------------------------------------------------------------------------------
 # Reading files
 # ---------------------------------------------------------------------------------------
@@ -66,11 +72,31 @@ def _torch_load(file: Path) -> dict[str, torch.Tensor]:
     return dict(obj)
 
 
-def _read_file(file: Path) -> dict[str, torch.Tensor]:
+def _read_file(file: Path, weights: bool = True) -> dict[str, torch.Tensor]:
     if file.suffix == ".safetensors":
+        if not weights:
+            return read_header(file)
         from safetensors.torch import load_file
         return load_file(str(file))
     return _torch_load(file)
+
+
+def read_header(file: str | Path) -> dict[str, torch.Tensor]:
+    """A safetensors file's tensors from its header alone: shape-only tensors on the meta
+    device (name, shape, dtype; no weight is read), except VOCAB_MAPS and tensors of a
+    dtype not listed here, which are read in full."""
+    from safetensors import safe_open
+
+    tensors = {}
+    with safe_open(str(file), framework="pt") as f:
+        for name in f.keys():
+            part = f.get_slice(name)
+            dtype = _SAFETENSORS_DTYPES.get(part.get_dtype())
+            if name in VOCAB_MAPS or dtype is None:
+                tensors[name] = f.get_tensor(name)
+            else:
+                tensors[name] = torch.empty(part.get_shape(), dtype=dtype, device="meta")
+    return tensors
 
 
 def _tensor_names(files: list[Path]) -> list[str]:
@@ -85,12 +111,13 @@ def _tensor_names(files: list[Path]) -> list[str]:
     return names
 
 
-def _read_tensors(files: list[Path]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """All tensors of `files` and each name's file; duplicate names are an error."""
+def _read_tensors(files: list[Path], weights: bool = True) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """All tensors of `files` and each name's file; duplicate names are an error.
+    weights=False: safetensors files' tensors as shape-only meta tensors (read_header)."""
     tensors: dict[str, torch.Tensor] = {}
     origin: dict[str, str] = {}
     for file in files:
-        for name, tensor in _read_file(file).items():
+        for name, tensor in _read_file(file, weights).items():
             if name in tensors:
                 raise CheckpointError(f"tensor {name}", "one copy", f"copies in {origin[name]} and {file.name}",
                                       str(file.parent), "remove the stale weight file")

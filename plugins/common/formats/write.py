@@ -27,13 +27,17 @@ logger = logging.getLogger(__name__)
 # ---------------------------------------------------------------------------------------
 # Loading
 # ---------------------------------------------------------------------------------------
-def load_head(path: str | Path, target_config: Any = None) -> LoadedHead:
+def load_head(path: str | Path, target_config: Any = None, *, weights: bool = True) -> LoadedHead:
     """Load the head in directory `path` (any of FORMATS, auto-detected) in canonical form,
-    validated (and checked against `target_config` when given) before it is returned."""
+    validated (and checked against `target_config` when given) before it is returned.
+
+    weights=False is a dry run (`specplug doctor`): safetensors files are read from their
+    headers only, as shape-only tensors on the meta device (the vocab maps d2t / t2d /
+    token_map in full), and validated the same way; such a head cannot run or be saved."""
     path = _checkpoint_dir(path)
     fmt = detect_format(path)
     config = _read_config(path)
-    tensors, origin = _read_tensors(_weight_files(path))
+    tensors, origin = _read_tensors(_weight_files(path), weights)
     where = f"config.json of {path}"
     canonical, state, extra_tensors = _parse(fmt, config, tensors, where)
     files = {name: origin.get(name, next(iter(origin.values()), "weights")) for name in state}

@@ -265,10 +265,40 @@ def materialise(compact_dir: str | Path, target_dir: str | Path, out_dir: str | 
     config = json.loads((compact_dir / "config.json").read_text())
     blocks = load_file(str(compact_dir / RESBLOCKS_FILE))
     dtype = next(iter(blocks.values())).dtype
-    lm_head = target_lm_head(target_dir).to(dtype)
-    state = dict(blocks)
-    for k in range(config["medusa_num_heads"]):
-        state[f"{k}.{config['medusa_num_layers']}.weight"] = lm_head
+    state = with_vocab_projections(config, blocks, target_lm_head(target_dir).to(dtype))
     formats.save_head((config, state), out_dir, "medusa", target_config=str(target_dir), overwrite=overwrite)
     formats.validate(formats.load_head(out_dir), str(target_dir))
     return Path(out_dir)
+
+
+def with_vocab_projections(config: dict, blocks: dict, lm_head: torch.Tensor) -> dict:
+    """A compact head's residual blocks completed to the FasterDecoding state dict: every
+    head's vocab projection ({head}.{medusa_num_layers}.weight) is `lm_head`, the target's."""
+    state = dict(blocks)
+    for k in range(config["medusa_num_heads"]):
+        state[f"{k}.{config['medusa_num_layers']}.weight"] = lm_head
+    return state
+
+
+def inspect_compact(compact_dir: str | Path, target_config=None):
+    """A dry run of materialise() without the target's weights (`specplug doctor`): the
+    FasterDecoding head it would write, validated (against `target_config` too), with its
+    residual blocks read from the safetensors header and the target's lm_head as a
+    shape-only stand-in [vocab_size, hidden_size] of the compact config.json. Returns the
+    formats.LoadedHead (meta tensors); raises formats.CheckpointError naming the field."""
+    from specplug.common import formats
+
+    compact_dir = Path(compact_dir)
+    config = json.loads((compact_dir / "config.json").read_text())
+    blocks = formats.read_header(compact_dir / RESBLOCKS_FILE)
+    state = dict(blocks)
+    vocab, hidden = config.get("vocab_size"), config.get("hidden_size")
+    counts = (config.get("medusa_num_heads"), config.get("medusa_num_layers"))
+    if blocks and all(isinstance(v, int) for v in (vocab, hidden, *counts)):  # else validate names the field
+        dtype = next(iter(blocks.values())).dtype
+        state = with_vocab_projections(config, blocks, torch.empty(vocab, hidden, dtype=dtype, device="meta"))
+    head = formats.LoadedHead(method="medusa", format="medusa", config=config, state_dict=state,
+                              extra={"format": "medusa", "config": config, "tensors": {}, "compact": True},
+                              path=str(compact_dir), tensor_files={name: RESBLOCKS_FILE for name in blocks})
+    formats.validate(head, target_config)
+    return head

@@ -1,0 +1,73 @@
+"""Whether an engine adapter is active in a process, and why not: the record an adapter's
+`register()` leaves (`Activation`), the import check it runs before it patches anything
+(`import_error`), and the look-up of the engine names it patches (`sites_found`).
+
+Standard library only, and engine-free: the adapters import it before anything else, so
+an adapter whose other modules fail to import can still say why it stayed out.
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass
+
+FIELDS = ("active", "reason", "engine_version")
+
+
+@dataclass(frozen=True)
+class Activation:
+    """What an adapter's register() decided in this process.
+
+    active: specplug's hooks are installed in the engine.
+    reason: why not (None when active): the installed and the supported engine versions,
+      or the import that failed, each with its fix.
+    engine_version: the engine version register() saw ("" before register() ran).
+    Reads as a mapping too: `activation["active"]`, `dict(activation)`.
+    """
+
+    active: bool
+    reason: str | None
+    engine_version: str
+
+    def keys(self) -> tuple[str, ...]:
+        return FIELDS
+
+    def __getitem__(self, key: str):
+        if key not in FIELDS:
+            raise KeyError(key)
+        return getattr(self, key)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def not_registered(engine: str) -> Activation:
+    """The record before register() runs (a process the engine has not loaded plugins in)."""
+    return Activation(active=False, reason=f"{engine} has not run specplug's register() in this process",
+                      engine_version="")
+
+
+def import_error(modules: Iterable[str]) -> str | None:
+    """Import every module in turn; None when all import, else which one failed and how."""
+    for name in modules:
+        try:
+            importlib.import_module(name)
+        except Exception as exc:  # a broken install can raise anything at import time
+            return f"import {name} failed ({type(exc).__name__}: {exc})"
+    return None
+
+
+def sites_found(sites: Iterable[str]) -> dict[str, bool]:
+    """{dotted name: whether it resolves} for "module.attr" / "module.Class.attr" names,
+    importing the modules they name and nothing else."""
+    return {site: _resolves(site) for site in sites}
+
+
+def _resolves(site: str) -> bool:
+    try:
+        pkgutil.resolve_name(site)
+    except Exception:  # ImportError, AttributeError, or whatever a module raises on import
+        return False
+    return True
