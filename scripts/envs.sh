@@ -29,16 +29,20 @@ source_hash() {  # hash of everything that goes into the wheel
 build_wheel() {  # prints the path of specplug's wheel built from this checkout (cached by source hash)
     local python=$1 out
     out="$SPECPLUG_CACHE/wheels/$(source_hash)"
-    if ! ls "$out"/specplug-*.whl >/dev/null 2>&1; then
+    mkdir -p "$SPECPLUG_CACHE/wheels"
+    (
+        flock 8  # the suites' envs are built side by side: one build per source hash
+        ls "$out"/specplug-*.whl >/dev/null 2>&1 && exit 0
         # built from a copy of the package files: an in-tree build/ keeps deleted modules
-        rm -rf "$out.tmp" && mkdir -p "$out.tmp/src"
+        local tmp
+        tmp=$(mktemp -d "$out.XXXX") && mkdir "$tmp/src" || exit 1
         (cd "$_SPECPLUG_ROOT" && tar cf - --exclude=__pycache__ --exclude='*.pyc' $_WHEEL_SOURCES) \
-            | tar xf - -C "$out.tmp/src"
-        "$python" -m pip wheel -q --no-deps --no-build-isolation -w "$out.tmp" "$out.tmp/src" 2>&1 \
+            | tar xf - -C "$tmp/src"
+        "$python" -m pip wheel -q --no-deps --no-build-isolation -w "$tmp" "$tmp/src" 2>&1 \
             | grep -E "^(ERROR|error)" >&2
-        ls "$out.tmp"/specplug-*.whl >/dev/null 2>&1 || return 1
-        rm -rf "$out.tmp/src" "$out" && mv "$out.tmp" "$out"
-    fi
+        ls "$tmp"/specplug-*.whl >/dev/null 2>&1 || { rm -rf "$tmp"; exit 1; }
+        rm -rf "$tmp/src" "$out" && mv "$tmp" "$out"
+    ) 8>"$SPECPLUG_CACHE/wheels/.lock" || return 1
     ls "$out"/specplug-*.whl
 }
 
