@@ -3,10 +3,10 @@ the spirit of `vllm collect-env`).
 
 Sections: the environment (specplug and where it is imported from, the engines and
 whether specplug supports them, Python, torch, CPU ISA, GPUs), the specplug paths this
-machine can run, the engine patches and whether each target exists (doctor_env.py), and
-with --head a dry run of a draft head that loads no weights (doctor_head.py). --json
-prints the same report as JSON. Exit status: 0; 1 when the head would be refused; 2 for
-a bad argument.
+machine can run, the engine patches (specplug.common.patches) and whether each matches
+the installed engine (doctor_env.py), and with --head a dry run of a draft head that
+loads no weights (doctor_head.py). --json prints the same report as JSON. Exit status:
+0; 1 when the head would be refused; 2 for a bad argument.
 """
 
 from __future__ import annotations
@@ -126,18 +126,25 @@ def _paths(paths: list[dict]) -> str:
 
 
 def _patches(patches: dict) -> str:
-    lines = ["Engine patches"]
+    lines = ["Engine patches (targets: --json, docs/architecture.md)"]
     for engine, found in patches.items():
-        sites = found["sites"]
-        if all(ok is None for ok in sites.values()):  # not checked: the sites alone are noise (--json lists them)
-            lines.append(f"  {engine}: {found['status']} ({len(sites)} patch sites)")
+        rows = found["patches"]
+        if all(r["matched"] is None and r["reason"] is None for r in rows):  # not checked: --json lists them
+            lines.append(f"  {engine}: {found['status']} ({len(rows)} patches)")
             continue
         lines.append(f"  {engine}: {found['status']}")
-        missing = found.get("missing") or {}
-        marks = {True: "found", None: "not checked"}
-        lines += _rows([(site, marks[ok] if ok in marks else f"MISSING: {missing.get(site, '?')}")
-                        for site, ok in sites.items()], indent=4)
+        kinds, groups = (max(len(r[key]) for r in rows) for key in ("kind", "group"))
+        lines += _rows([(r["name"], f"{r['kind']:<{kinds}}  {r['group']:<{groups}}  {_patch_state(r)}")
+                        for r in rows], indent=4)
     return "\n".join(lines)
+
+
+def _patch_state(row: dict) -> str:
+    if row["applied"]:
+        return "applied"
+    if row["matched"]:
+        return "matches"
+    return f"{'not here' if row['matched'] is None else 'REFUSED'}: {row['reason']}"
 
 
 HEAD_KEY_WIDTH = len("settings")  # the key column of the head section

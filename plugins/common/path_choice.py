@@ -25,7 +25,7 @@ def full_budget(depth: int, topk: int, draft_vocab: int) -> int:
 
 
 def best_chains(trees: TreeBatch, depth: int) -> torch.Tensor:
-    """Long [B, depth]: the chain stage A hands vLLM. It is the root path with the largest
+    """Long [B, depth]: the chain vLLM verifies in stage "chain". It is the root path with the largest
     expected accepted length under the draft's own probabilities (sum over its nodes of
     exp(cumulative log-prob)), at any depth; a path shorter than `depth` is padded by
     repeating its last token (vLLM schedules exactly `depth` drafts; verification stays

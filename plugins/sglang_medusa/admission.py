@@ -9,7 +9,8 @@ HTTP 400) refuses it instead, and the server keeps serving everyone else.
 
 from __future__ import annotations
 
-TARGET = "sglang.srt.managers.tokenizer_manager.TokenizerManager._validate_one_request"
+from specplug.sglang_medusa.patches import VALIDATE_REQUEST as TARGET  # hooked AROUND (patches.py)
+
 STRUCTURED_KEYS = ("json_schema", "regex", "ebnf", "structural_tag")
 
 
@@ -34,10 +35,3 @@ def validate_one_request(original, manager, obj, *args, **kwargs):
                 f"structured output ({key}) is not supported with --speculative-algorithm {algorithm} yet: "
                 "send this request to a server without speculation, or drop response_format / " + key)
     return original(manager, obj, *args, **kwargs)
-
-
-def install() -> None:
-    """Register the AROUND hook with SGLang's HookRegistry (applied by load_plugins)."""
-    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
-
-    HookRegistry.register(TARGET, validate_one_request, HookType.AROUND)

@@ -9,8 +9,8 @@ barely pays. oneDNN on weights packed once (`torch.ops.mkldnn._reorder_linear_we
 costs 4.5 ms for 1 row and 4.1 ms for 9. (With AMX, SGLang packs weights itself:
 `sgl_kernel.weight_packed_linear`, and this module stays out of the way.)
 
-`SPECPLUG_SGLANG_CPU_LINEAR=onednn` installs two AROUND hooks, in every SGLang process
-(with or without speculation, so a comparison stays fair): on
+`SPECPLUG_SGLANG_CPU_LINEAR=onednn` installs two AROUND hooks (patches.py), in every
+SGLang process (with or without speculation, so a comparison stays fair): on
 `UnquantizedLinearMethod.apply` and `LogitsProcessor._compute_lm_head`. They take over
 only fp32 CPU tensors of layers without AMX packing, quantization or LoRA; every other
 call runs SGLang's own code. Costs: one packed copy of every linear weight (the
@@ -28,11 +28,12 @@ import os
 
 import torch
 
+from specplug.sglang_medusa.patches import LINEAR_APPLY, LM_HEAD
+
 logger = logging.getLogger(__name__)
 
 ENV = "SPECPLUG_SGLANG_CPU_LINEAR"
-LINEAR_TARGET = "sglang.srt.layers.quantization.unquant.UnquantizedLinearMethod.apply"
-LM_HEAD_TARGET = "sglang.srt.layers.logits_processor.LogitsProcessor._compute_lm_head"
+LINEAR_TARGET, LM_HEAD_TARGET = LINEAR_APPLY, LM_HEAD  # hooked AROUND (patches.py)
 PACKED = "_specplug_onednn_weight"
 
 
@@ -83,17 +84,22 @@ def lm_head_logits(original, processor, hidden_states, lm_head, embedding_bias=N
     return packed_linear(lm_head, hidden_states)
 
 
-def install(environ=os.environ) -> bool:
-    """Register both hooks when SPECPLUG_SGLANG_CPU_LINEAR=onednn; True when installed."""
+def not_installed_reason(environ=os.environ) -> str | None:
+    """Why the two hooks are not installed (None: they are: SPECPLUG_SGLANG_CPU_LINEAR=onednn
+    and a torch with oneDNN); ValueError on a bad setting."""
     if not enabled(environ):
-        return False
+        return f"opt-in: {ENV}=onednn is not set"
     if not torch.backends.mkldnn.is_available():
-        logger.warning("specplug: %s=onednn ignored: this torch build has no oneDNN (mkldnn)", ENV)
-        return False
-    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+        return "this torch build has no oneDNN (mkldnn)"
+    return None
 
-    HookRegistry.register(LINEAR_TARGET, linear_apply, HookType.AROUND)
-    HookRegistry.register(LM_HEAD_TARGET, lm_head_logits, HookType.AROUND)
-    logger.info("specplug: %s=onednn: fp32 CPU linear layers and LM head through oneDNN with packed weights",
-                ENV)
-    return True
+
+def announce(installed: bool, environ=os.environ) -> None:
+    """One log line once register() applied (or not) the hooks: INFO when installed, a
+    WARNING when asked for and not installed."""
+    if installed:
+        logger.info("specplug: %s=onednn: fp32 CPU linear layers and LM head through oneDNN with packed weights",
+                    ENV)
+    elif enabled(environ):
+        logger.warning("specplug: %s=onednn ignored: %s", ENV, not_installed_reason(environ)
+                       or "SGLang's linear methods are not the ones specplug hooks (see the WARNING above)")

@@ -4,14 +4,19 @@ eagle3_settings_from_server_args) or TokenDrafterSettings (RETRIEVAL and every o
 registered token drafter, plus SPECPLUG_RETRIEVAL / SPECPLUG_DRAFTER; see
 token_settings_from_server_args).
 
+The heads' `specplug` section, its SPECPLUG_* variables, defaults, checks and sources are
+specplug.common.head_section's, the same as in vLLM (docs/heads.md, "The specplug
+section"): this module maps SGLang's server arguments onto that schema (they override the
+environment, which overrides the section) and keeps what SGLang needs besides.
+
 MEDUSA:
 
 Server arguments read (everything else keeps SGLang's meaning):
 
   --speculative-draft-model-path DIR   Medusa heads (FasterDecoding or vLLM format). Required.
-  --speculative-num-draft-tokens N     tree nodes INCLUDING the root (node budget N - 1).
-  --speculative-num-steps D            maximum tree depth (at most the number of heads).
-  --speculative-eagle-topk K           candidates per head (1 = a chain of top-1 tokens).
+  --speculative-num-draft-tokens N     tree nodes INCLUDING the root: tree.budget N - 1.
+  --speculative-num-steps D            tree.depth (at most the number of heads).
+  --speculative-eagle-topk K           tree.topk: candidates per head (1 = a chain of top-1 tokens).
   --speculative-accept-threshold-single EPS  with a value < 1: typical acceptance (LOSSY)
   --speculative-accept-threshold-acc DELTA   with epsilon EPS / delta DELTA (Medusa-2).
   --disable-overlap-schedule           set for you: the worker runs synchronously.
@@ -19,17 +24,15 @@ Server arguments read (everything else keeps SGLang's meaning):
 
 Adaptive speculation (per step the tree budget, down to none, chosen by
 specplug.common.policy.adaptive from costs and acceptance measured in the engine) is on when
-the heads' section says `"adaptive": true` or `--speculative-adaptive` is given; the
-environment variable SPECPLUG_ADAPTIVE=1/0 overrides both. (SGLang's own adaptive
-mode supports only EAGLE and logs that it is disabled for MEDUSA; specplug's worker
-reads the flag as given.)
+--speculative-adaptive is given, else as SPECPLUG_ADAPTIVE=1/0, else as the heads' section
+says (`"adaptive": true`). (SGLang's own adaptive mode supports only EAGLE and logs that it
+is disabled for MEDUSA; specplug's worker reads the flag as given.)
 
-Unset tree arguments come from the heads' config.json `specplug` section ("tree",
-"verification", "head_accuracies"), then from TreeConfig's defaults. The tree SHAPE is
-chosen by the environment variable SPECPLUG_MEDUSA_TREE (read in every SGLang process):
-"optimal" (default: Medusa's optimal sparse tree for the heads' measured accuracies,
-within the node budget), "chain", or explicit Medusa choices as JSON (`[[0], [1], [0, 0]]`)
-or a path to a JSON file holding them.
+The tree SHAPE is the schema's medusa part: the environment variable SPECPLUG_MEDUSA_TREE
+(read in every SGLang process): "optimal" (default: Medusa's optimal sparse tree for the
+heads' measured accuracies, within the node budget), "chain", or explicit Medusa choices
+as JSON (`[[0], [1], [0, 0]]`) or a path to a JSON file holding them; else the section's
+"choices".
 
 Hybrid drafting, as for SPECPLUG_EAGLE3 and in vLLM: the section's "retrieval" / "drafter"
 (SPECPLUG_RETRIEVAL / SPECPLUG_DRAFTER overriding) merges that token drafter's trees with
@@ -39,23 +42,17 @@ the heads' under the same node budget each greedy step.
 from __future__ import annotations
 
 import json
-import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from specplug.common.drafting.int8 import head_weights
-from specplug.common.drafting.sampled import ENV_DRAFT_TEMPERATURE, draft_temperature
-from specplug.common.policy.adaptive import adaptive_flag
+from specplug.common.head_section import (
+    ENV_DRAFT_TEMPERATURE, Argument, HeadSettings, MedusaTree, ParsedSection, SettingTypeError,
+    Verification, parse, read_section,
+)
 from specplug.common.retrieval.config import ENV_RETRIEVAL, retrieval_override
-from specplug.common.sampling import TYPICAL_DELTA, TYPICAL_EPSILON
-from specplug.common.token_drafters import ENV_DRAFTER, DrafterChoice, check_choice, drafter_choice, env_choice
+from specplug.common.token_drafters import ENV_DRAFTER, DrafterChoice, check_choice, env_choice
 from specplug.common.tree import TreeConfig
-
-logger = logging.getLogger(__name__)
-
-TREE_ENV = "SPECPLUG_MEDUSA_TREE"
-TREE_SHAPES = ("optimal", "chain")
 
 
 @dataclass(frozen=True)
@@ -69,16 +66,16 @@ class MedusaSettings:
     adaptive: choose each step's tree budget (down to none) from measured costs.
     """
 
-    heads_path: str
-    tree: TreeConfig = TreeConfig()
-    choices: tuple[tuple[int, ...], ...] | None = None
-    verification: str = "lossless"
-    typical_epsilon: float = TYPICAL_EPSILON
-    typical_delta: float = TYPICAL_DELTA
-    head_accuracies: tuple[tuple[float, ...], ...] | None = None
-    adaptive: bool = False
-    draft_temperature: float | None = None  # batches with sampled requests: chains drawn from the heads' q
-    drafter: DrafterChoice | None = None  # hybrid drafting: a token drafter's trees merged with the heads'
+    heads_path: str  # the defaults below are the schema's (specplug.common.head_section)
+    tree: TreeConfig = HeadSettings.tree
+    choices: tuple[tuple[int, ...], ...] | None = MedusaTree.choices
+    verification: str = Verification.method
+    typical_epsilon: float = Verification.typical_epsilon
+    typical_delta: float = Verification.typical_delta
+    head_accuracies: tuple[tuple[float, ...], ...] | None = MedusaTree.head_accuracies
+    adaptive: bool = HeadSettings.adaptive
+    draft_temperature: float | None = HeadSettings.draft_temperature  # sampled requests: chains drawn from q
+    drafter: DrafterChoice | None = HeadSettings.drafter  # hybrid drafting: a token drafter's trees merged in
 
     @property
     def num_nodes(self) -> int:
@@ -110,56 +107,38 @@ def read_head_section(heads_path: str) -> tuple[int, dict]:
     if not isinstance(heads, int) or heads < 1:
         _fail(f"medusa_num_heads in {config_file}", "an int >= 1", heads,
               "this is not a Medusa head checkpoint; point --speculative-draft-model-path at one")
-    return heads, config.get("specplug") or {}
+    return heads, read_section(heads_path)
 
 
-def parse_choices(text: str) -> tuple[tuple[int, ...], ...]:
-    """Explicit Medusa choices from inline JSON or a JSON file."""
-    source = Path(text).read_text() if Path(text).is_file() else text
-    try:
-        choices = json.loads(source)
-    except json.JSONDecodeError:
-        choices = None
-    if not isinstance(choices, list) or not all(isinstance(c, list) and c for c in choices):
-        _fail(TREE_ENV, f"one of {TREE_SHAPES}, JSON Medusa choices like [[0], [1], [0, 0]], or a "
-              "JSON file with them", text, "fix the environment variable")
-    return tuple(tuple(int(i) for i in c) for c in choices)
-
-
-def _given(value, default):
-    return default if value is None else value
-
-
-def _tree_config(cfg, section: dict, num_heads: int, shape: str) -> TreeConfig:
-    base = TreeConfig.from_dict(section["tree"]) if "tree" in section else TreeConfig()
-    depth = _given(cfg.speculative_num_steps, min(base.depth, num_heads))
-    topk = 1 if shape == "chain" else _given(cfg.speculative_eagle_topk, base.topk)
+def tree_arguments(cfg) -> dict[str, Argument]:
+    """SGLang's tree arguments as the schema's fields, those given: --speculative-num-steps
+    (tree.depth), --speculative-eagle-topk (tree.topk), --speculative-num-draft-tokens N
+    (tree.budget N - 1: SGLang counts the root)."""
+    given = {"tree.depth": Argument("--speculative-num-steps", cfg.speculative_num_steps),
+             "tree.topk": Argument("--speculative-eagle-topk", cfg.speculative_eagle_topk)}
     nodes = cfg.speculative_num_draft_tokens
-    budget = base.budget if nodes is None else nodes - 1
-    if shape == "chain":
-        budget = depth
-    for arg, value in (("--speculative-num-steps", depth), ("--speculative-eagle-topk", topk),
-                       ("--speculative-num-draft-tokens minus one", budget)):
-        _positive(arg, value)
-    if depth > num_heads:
-        _fail("--speculative-num-steps", f"at most the number of Medusa heads ({num_heads})", depth,
-              f"pass --speculative-num-steps {num_heads} or fewer, or train more heads")
-    return TreeConfig(depth=depth, topk=topk, budget=budget)
+    if nodes is not None:
+        given["tree.budget"] = Argument("--speculative-num-draft-tokens minus one",
+                                        nodes - 1 if isinstance(nodes, int) else nodes)
+    return {name: arg for name, arg in given.items() if arg.value is not None}
 
 
-def _verification(cfg, section: dict) -> tuple[str, float, float]:
-    eps, delta = cfg.speculative_accept_threshold_single, cfg.speculative_accept_threshold_acc
-    for arg, value in (("--speculative-accept-threshold-single", eps),
-                       ("--speculative-accept-threshold-acc", delta)):
-        if not 0.0 < value <= 1.0:
-            _fail(arg, "in (0, 1] (1 = off)", value, "pass a typical-acceptance threshold in (0, 1)")
-    verification = section.get("verification", "lossless")
-    if verification not in ("lossless", "typical"):
-        _fail("specplug.verification in the heads' config.json", '"lossless" or "typical"', verification,
-              "fix the heads' config.json")
-    if eps < 1.0 or delta < 1.0:
-        verification = "typical"
-    return (verification, eps if eps < 1.0 else TYPICAL_EPSILON, delta if delta < 1.0 else TYPICAL_DELTA)
+def typical_arguments(cfg) -> dict[str, Argument]:
+    """--speculative-accept-threshold-single / -acc with a value other than 1 (SGLang's
+    "off"): typical acceptance's epsilon / delta, which ask for it."""
+    given = {"verification.typical_epsilon": Argument("--speculative-accept-threshold-single",
+                                                      cfg.speculative_accept_threshold_single),
+             "verification.typical_delta": Argument("--speculative-accept-threshold-acc",
+                                                    cfg.speculative_accept_threshold_acc)}
+    return {name: arg for name, arg in given.items() if arg.value is not None and arg.value != 1.0}
+
+
+def parse_section(section: dict, environ, algorithm: str, **kwargs) -> ParsedSection:
+    """specplug.common.head_section.parse, its errors in SGLang's words (the algorithm first)."""
+    try:
+        return parse(section, environ, **kwargs)
+    except ValueError as exc:
+        raise (SettingTypeError if isinstance(exc, TypeError) else ValueError)(f"{algorithm}: {exc}") from exc
 
 
 def settings_from_server_args(cfg, adaptive_arg: bool = False, environ=None) -> MedusaSettings:
@@ -171,37 +150,16 @@ def settings_from_server_args(cfg, adaptive_arg: bool = False, environ=None) -> 
         _fail("--speculative-draft-model-path", "the Medusa heads directory", None,
               "pass --speculative-draft-model-path MEDUSA_HEADS_DIR")
     num_heads, section = read_head_section(cfg.speculative_draft_model_path)
-    shape = environ.get(TREE_ENV, "optimal").strip() or "optimal"
-    choices = None if shape in TREE_SHAPES else parse_choices(shape)
-    if choices is not None and max(len(c) for c in choices) > num_heads:
-        _fail(TREE_ENV, f"choices no deeper than the number of heads ({num_heads})",
-              max(len(c) for c in choices), "drop the deeper paths")
-    verification, eps, delta = _verification(cfg, section)
-    accuracies = section.get("head_accuracies")
-    temperature = _draft_temperature(section, environ, "MEDUSA")
-    if temperature is not None and verification == "typical":
-        _fail("draft_temperature (sampled drafts)", "unset with typical acceptance", temperature,
-              "typical acceptance never reads q: drop draft_temperature or use lossless verification")
+    arguments = {**tree_arguments(cfg), **typical_arguments(cfg)}
+    if adaptive_arg:
+        arguments["adaptive"] = Argument("--speculative-adaptive", True)
+    s = parse_section(section, environ, "MEDUSA", method="medusa", arguments=arguments, num_heads=num_heads).settings
     return MedusaSettings(
-        heads_path=str(cfg.speculative_draft_model_path),
-        tree=_tree_config(cfg, section, num_heads, "chain" if shape == "chain" else "optimal"),
-        choices=choices, verification=verification, typical_epsilon=eps, typical_delta=delta,
-        head_accuracies=None if accuracies is None else tuple(tuple(map(float, r)) for r in accuracies),
-        adaptive=adaptive_flag({**section, "adaptive": section.get("adaptive", False) or bool(adaptive_arg)}, environ),
-        draft_temperature=temperature, drafter=_hybrid_choice(section, environ, "MEDUSA"),
+        heads_path=str(cfg.speculative_draft_model_path), tree=s.tree, choices=s.medusa.choices,
+        verification=s.verification.method, typical_epsilon=s.verification.typical_epsilon,
+        typical_delta=s.verification.typical_delta, head_accuracies=s.medusa.head_accuracies,
+        adaptive=s.adaptive, draft_temperature=s.draft_temperature, drafter=s.drafter,
     )
-
-
-def _hybrid_choice(section, environ, algorithm: str) -> DrafterChoice | None:
-    """The token drafter merged with the heads' trees (token_drafters.drafter_choice:
-    the section's "retrieval" / "drafter", SPECPLUG_RETRIEVAL / SPECPLUG_DRAFTER), checked."""
-    try:
-        drafter = drafter_choice(section, environ)
-        if drafter is not None:
-            check_choice(drafter)
-    except ValueError as exc:
-        raise ValueError(f"{algorithm}: {exc}") from exc
-    return drafter
 
 
 @dataclass(frozen=True)
@@ -279,7 +237,7 @@ def _drafter_fields(name: str, environ) -> dict:
 # -- SPECPLUG_EAGLE3: EAGLE-3 heads with dynamic trees ------------------------------------
 
 EAGLE3 = "SPECPLUG_EAGLE3"
-DRAFT_TEMPERATURE_ENV = ENV_DRAFT_TEMPERATURE
+DRAFT_TEMPERATURE_ENV = ENV_DRAFT_TEMPERATURE  # what the bench sets for sampled drafts
 
 
 @dataclass(frozen=True)
@@ -287,11 +245,11 @@ class Eagle3Settings:
     """What the SPECPLUG_EAGLE3 worker needs besides the head's weights: the head folder
     and its EAGLE-2 tree (depth, topk, budget = draft nodes, root excluded)."""
 
-    head_path: str
-    tree: TreeConfig = TreeConfig()
-    drafter: DrafterChoice | None = None  # hybrid drafting: a token drafter's trees merged with the head's
-    draft_temperature: float | None = None  # batches with sampled requests: trees drawn from q at this temperature
-    head_weights: str = "float"  # "int8" / "int4": an EAGLE-3 head's linears quantized (specplug.common.drafting)
+    head_path: str  # the defaults below are the schema's (specplug.common.head_section)
+    tree: TreeConfig = HeadSettings.tree
+    drafter: DrafterChoice | None = HeadSettings.drafter  # hybrid drafting: a token drafter's trees merged in
+    draft_temperature: float | None = HeadSettings.draft_temperature  # sampled requests: trees drawn from q
+    head_weights: str = HeadSettings.head_weights  # "int8" / "int4": the head's linears quantized
 
     @property
     def num_nodes(self) -> int:
@@ -300,42 +258,19 @@ class Eagle3Settings:
 
 
 def eagle3_settings_from_server_args(cfg, environ=None) -> Eagle3Settings:
-    """--speculative-draft-model-path HEAD (an EAGLE-3 head, any format specplug reads);
-    the tree from --speculative-num-steps (depth), --speculative-eagle-topk (topk) and
-    --speculative-num-draft-tokens N (budget N - 1), else the head's `specplug.tree`
-    (stop_below from there only), else TreeConfig's defaults. Hybrid drafting as in vLLM:
-    the section's "retrieval" / "drafter", SPECPLUG_RETRIEVAL / SPECPLUG_DRAFTER
-    overriding (token_drafters.drafter_choice). Sampled drafts: the section's
-    "draft_temperature", SPECPLUG_DRAFT_TEMPERATURE overriding; quantized head weights:
-    the section's "head_weights" (or the older "head_int8"), SPECPLUG_HEAD_WEIGHTS
-    overriding. ValueError names the argument and the fix."""
+    """--speculative-draft-model-path HEAD (an EAGLE-3 or EAGLE-1 head, any format specplug
+    reads) and its specplug section (specplug.common.head_section): the tree from
+    --speculative-num-steps (depth), --speculative-eagle-topk (topk) and
+    --speculative-num-draft-tokens N (budget N - 1), else SPECPLUG_TREE, else the section's
+    "tree", else TreeConfig's defaults; hybrid drafting, sampled drafts and quantized head
+    weights from the environment, else the section. ValueError names the argument and the fix."""
     environ = os.environ if environ is None else environ
     path = cfg.speculative_draft_model_path
     if not path or not (Path(path) / "config.json").is_file():
         _fail("--speculative-draft-model-path", "an EAGLE-3 head directory (config.json + safetensors)", path,
               "train one with `specplug train eagle3` or convert one with `specplug convert`", EAGLE3)
-    section = json.loads((Path(path) / "config.json").read_text()).get("specplug") or {}
-    base = TreeConfig.from_dict(section["tree"]) if "tree" in section else TreeConfig()
-    depth = _positive("--speculative-num-steps", _given(cfg.speculative_num_steps, base.depth), EAGLE3)
-    topk = _positive("--speculative-eagle-topk", _given(cfg.speculative_eagle_topk, base.topk), EAGLE3)
-    nodes = cfg.speculative_num_draft_tokens
-    budget = _positive("--speculative-num-draft-tokens minus one", base.budget if nodes is None else nodes - 1,
-                       EAGLE3)
-    tree = TreeConfig(depth=depth, topk=topk, budget=budget, stop_below=base.stop_below)
-    drafter = _hybrid_choice(section, environ, EAGLE3)
-    try:
-        weights = head_weights(section, environ)
-    except (TypeError, ValueError) as exc:
-        raise ValueError(f"{EAGLE3}: {exc}") from exc
-    return Eagle3Settings(str(path), tree, drafter, _draft_temperature(section, environ), weights)
-
-
-def _draft_temperature(section: dict, environ, algorithm: str = EAGLE3) -> float | None:
-    """specplug.common.drafting.sampled.draft_temperature, its error in SGLang's words."""
-    try:
-        return draft_temperature(section, environ)
-    except ValueError as exc:
-        raise ValueError(f"{algorithm}: {exc}") from exc
+    s = parse_section(read_section(path), environ, EAGLE3, arguments=tree_arguments(cfg)).settings
+    return Eagle3Settings(str(path), s.tree, s.drafter, s.draft_temperature, s.head_weights)
 
 
 def _positive(arg: str, value, algorithm: str = "MEDUSA") -> int:

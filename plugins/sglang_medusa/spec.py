@@ -1,18 +1,21 @@
 """specplug's algorithms as SGLang sees them: registration and argument checks.
 
-`register_medusa()`, `register_eagle3()` and `register_token_drafters()` call
-`SpeculativeAlgorithm.register(NAME, ...)` with `spec_algo.SpecplugSpecAlgo`, which
-answers the questions SGLang 0.5.23's scheduler asks every algorithm. MEDUSA's heads read
-the target's last hidden state; SPECPLUG_EAGLE3's head the target's aux states (its small
-KV is specplug's own, dense, outside SGLang's pools); every registered token drafter
-(specplug.common.token_drafters: "retrieval" -> RETRIEVAL, and any a plugin adds under
-the entry-point group "specplug") reads tokens only. None has a draft model in SGLang's
-sense or draft KV in its pools; the tree lives only in the verify pass's mask.
+`register_medusa()`, `register_eagle3()` and `register_token_drafters()` (patches in
+patches.py, given SGLang's `SpeculativeAlgorithm.register`) register with
+`spec_algo.SpecplugSpecAlgo`, which answers the questions SGLang 0.5.23's scheduler asks
+every algorithm. MEDUSA's heads read the target's last hidden state; SPECPLUG_EAGLE3's
+head the target's aux states (its small KV is specplug's own, dense, outside SGLang's
+pools); every registered token drafter (specplug.common.token_drafters: "retrieval" ->
+RETRIEVAL, and any a plugin adds under the entry-point group "specplug") reads tokens
+only. None has a draft model in SGLang's sense or draft KV in its pools; the tree lives
+only in the verify pass's mask.
 """
 
 from __future__ import annotations
 
 import logging
+
+from specplug.sglang_medusa.patches import ALIAS_SITE, CONFIG_SITE
 
 logger = logging.getLogger(__name__)
 
@@ -174,8 +177,7 @@ def handle_args(algorithm: str, server_args) -> None:
     handlers.get(algorithm, handle_token_args)(server_args)
 
 
-ALIAS_TARGET = "sglang.srt.arg_groups.speculative_hook._resolve_speculative_algorithm_alias"
-CONFIG_TARGET = "sglang.srt.utils.hf_transformers.config.get_config"
+ALIAS_TARGET, CONFIG_TARGET = ALIAS_SITE, CONFIG_SITE  # hooked (patches.py)
 
 
 def _medusa_heads_config(path) -> dict | None:
@@ -190,7 +192,7 @@ def _medusa_heads_config(path) -> dict | None:
     return config if "medusa_num_heads" in config and "model_type" not in config else None
 
 
-def _config_for_medusa_heads(original, model, *args, **kwargs):
+def config_for_medusa_heads(original, model, *args, **kwargs):
     """AROUND hook on SGLang's get_config: SGLang reads --speculative-draft-model-path as a
     transformers config in several places (algorithm aliases, collective defaults).
     FasterDecoding Medusa configs have no model_type, so AutoConfig rejects them; answer
@@ -204,7 +206,7 @@ def _config_for_medusa_heads(original, model, *args, **kwargs):
     return PretrainedConfig(architectures=["MedusaHeads"], **fields)
 
 
-def _skip_draft_config_for_medusa(original, speculative_algorithm, *args, **kwargs):
+def skip_draft_config_for_medusa(original, speculative_algorithm, *args, **kwargs):
     """AROUND hook: SGLang parses --speculative-draft-model-path with transformers'
     AutoConfig to spot Gemma-4 drafts; Medusa heads' config.json has no model_type, so
     for MEDUSA and SPECPLUG_EAGLE3 the name is returned as is (there is nothing to alias,
@@ -214,48 +216,44 @@ def _skip_draft_config_for_medusa(original, speculative_algorithm, *args, **kwar
     return original(speculative_algorithm, *args, **kwargs)
 
 
-def register_medusa() -> None:
-    """SpeculativeAlgorithm.register("MEDUSA", ...); a second call in one process is a no-op."""
-    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+def register_medusa(register) -> list[str]:
+    """register("MEDUSA", ...), `register` being SpeculativeAlgorithm.register (patch
+    "algorithm MEDUSA" in patches.py); returns what it registered ([] when SGLang has it)."""
     from sglang.srt.speculative.spec_registry import get_spec
 
     from specplug.sglang_medusa.spec_algo import SpecplugSpecAlgo
 
     if get_spec(NAME) is not None:
-        return
-    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
-
-    HookRegistry.register(ALIAS_TARGET, _skip_draft_config_for_medusa, HookType.AROUND)
-    HookRegistry.register(CONFIG_TARGET, _config_for_medusa_heads, HookType.AROUND)
-    SpeculativeAlgorithm.register(
-        NAME, supports_overlap=False, validate_server_args=validate_server_args, spec_class=SpecplugSpecAlgo,
-    )(_worker_factory)
+        return []
+    register(NAME, supports_overlap=False, validate_server_args=validate_server_args,
+             spec_class=SpecplugSpecAlgo)(_worker_factory)
+    return [NAME]
 
 
-def register_eagle3() -> None:
-    """SpeculativeAlgorithm.register("SPECPLUG_EAGLE3", ...); a second call in one process is a no-op."""
-    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+def register_eagle3(register) -> list[str]:
+    """register("SPECPLUG_EAGLE3", ...), as register_medusa."""
     from sglang.srt.speculative.spec_registry import get_spec
 
     from specplug.sglang_medusa.spec_algo import SpecplugSpecAlgo
 
     if get_spec(EAGLE3) is not None:
-        return
-    SpeculativeAlgorithm.register(
-        EAGLE3, supports_overlap=False, validate_server_args=validate_eagle3_args, spec_class=SpecplugSpecAlgo,
-    )(_eagle3_worker_factory)
+        return []
+    register(EAGLE3, supports_overlap=False, validate_server_args=validate_eagle3_args,
+             spec_class=SpecplugSpecAlgo)(_eagle3_worker_factory)
+    return [EAGLE3]
 
 
-def register_token_drafters() -> list[str]:
-    """SpeculativeAlgorithm.register(NAME.upper(), ...) for every registered token drafter
-    (specplug.common.token_drafters.token_drafter_names); a name SGLang already knows is
-    skipped with a warning. Returns the algorithms this process registered."""
-    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+def register_token_drafters(register) -> list[str]:
+    """register(NAME.upper(), ...) for every registered token drafter
+    (specplug.common.token_drafters.token_drafter_names), `register` being
+    SpeculativeAlgorithm.register; a name SGLang already knows is skipped with a warning.
+    Returns the algorithms this call registered (TOKEN_ALGORITHMS: all this process has)."""
     from sglang.srt.speculative.spec_registry import get_spec
 
     from specplug.common.token_drafters import token_drafter_names
     from specplug.sglang_medusa.spec_algo import SpecplugSpecAlgo
 
+    registered = []
     for name in token_drafter_names():
         algorithm = name.upper()
         if algorithm in TOKEN_ALGORITHMS:
@@ -264,8 +262,8 @@ def register_token_drafters() -> list[str]:
             logger.warning("specplug: drafter %r not registered as SGLang algorithm %s: SGLang already has one "
                            "by that name (rename the drafter)", name, algorithm)
             continue
-        SpeculativeAlgorithm.register(
-            algorithm, supports_overlap=False, validate_server_args=validate_token_args, spec_class=SpecplugSpecAlgo,
-        )(_token_worker_factory)
+        register(algorithm, supports_overlap=False, validate_server_args=validate_token_args,
+                 spec_class=SpecplugSpecAlgo)(_token_worker_factory)
         TOKEN_ALGORITHMS.add(algorithm)
-    return sorted(TOKEN_ALGORITHMS)
+        registered.append(algorithm)
+    return registered

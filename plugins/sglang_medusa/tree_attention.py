@@ -4,7 +4,7 @@ SGLang 0.5.23's TorchNativeAttnBackend has no TARGET_VERIFY path: its extend ker
 ignores `spec_info.custom_mask` and needs `extend_prefix_lens`, which a verify batch
 does not carry. `forward_extend_tree` is installed AROUND
 `TorchNativeAttnBackend.forward_extend` (through SGLang's HookRegistry, in
-`register()`); it handles verify batches and defers every other batch to the original.
+`register()`: patch "TorchNativeAttnBackend.forward_extend" in patches.py); it handles verify batches and defers every other batch to the original.
 
 A verify batch holds `n` draft-tree nodes per request, written to KV slots
 req_to_token[req, seq_len : seq_len + n]. Node i attends to the whole committed prefix
@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch.nn.functional import scaled_dot_product_attention
 
-TARGET = "sglang.srt.layers.attention.torch_native_backend.TorchNativeAttnBackend.forward_extend"
+from specplug.sglang_medusa.patches import FORWARD_EXTEND as TARGET  # hooked AROUND (patches.py)
 
 
 def request_masks(custom_mask: torch.Tensor, seq_lens: list[int], n: int) -> list[torch.Tensor]:
@@ -83,10 +83,3 @@ def forward_extend_tree(original, backend, q, k, v, layer, forward_batch, save_k
             q_[b * n:(b + 1) * n], k_cache, v_cache, slots, masks[b], layer.scaling,
             layer.tp_q_head_num != layer.tp_k_head_num)
     return o.reshape(q_.shape[0], -1)
-
-
-def install() -> None:
-    """Register the AROUND hook with SGLang's HookRegistry (applied by load_plugins)."""
-    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
-
-    HookRegistry.register(TARGET, forward_extend_tree, HookType.AROUND)

@@ -3,9 +3,9 @@ groups of `batch_size` requests that all generate exactly `max_new_tokens` token
 
 Methods: `none` (no speculation), `ngram` (vLLM's prompt lookup), `eagle3` (vLLM's
 built-in EAGLE-3 chain with the head's weights, the `specplug` config section
-stripped), `specplug` (stage A: the same head with its `specplug` section, stage
+stripped), `specplug` (the same head with its `specplug` section, stage
 "chain": our proposer, the tree's best path verified as a chain; with `--adaptive` a
-copy of the head whose section says `"adaptive": true`) and `specplug-tree` (stage B: a
+copy of the head whose section says `"adaptive": true`) and `specplug-tree` (a
 copy whose section says `"stage": "tree"`, the whole tree verified in one target pass,
 num_speculative_tokens = the tree budget); `specplug-hybrid` and `specplug-hybrid-tree`
 are those two with hybrid drafting on; `specplug-hybrid-skip` is `specplug-hybrid` with

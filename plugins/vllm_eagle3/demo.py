@@ -203,16 +203,18 @@ def measure(args, stages: Stages) -> dict:
 
     from specplug.common.training.data import prompts as prompt_set
     from specplug.common.testbed import target_dir
+    from specplug.common.head_section import read_section
     from specplug.vllm_eagle3.bench_runner import NGRAM_CONFIG
+    from specplug.vllm_eagle3.settings import adapter_settings
 
     host = machine()  # before the engines add to its load
     target = target_dir()
     head = Path(args.head) if args.head else find_head()
     trained = head is not None
     head = head or untrained_head(target)
-    section = json.loads((head / "config.json").read_text()).get("specplug") or {}
-    depth = section.get("tree", {}).get("depth", 4)
-    name = "specplug EAGLE-3" + (" + retrieval" if section.get("retrieval") else "")
+    settings = adapter_settings(read_section(head))  # stage "chain": vLLM drafts tree.depth tokens
+    depth = settings.tree.depth
+    name = "specplug EAGLE-3" + (f" + {settings.drafter.name}" if settings.drafter else "")
     tokenizer = AutoTokenizer.from_pretrained(target)
     texts = [p.text for p in prompt_set(args.prompts, tokenizer, limit=args.num_prompts)]
     engines = [("none", "no speculation", "without speculation", None),

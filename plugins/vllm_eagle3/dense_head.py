@@ -15,6 +15,7 @@ import torch
 
 from specplug.common.drafting import int8
 from specplug.common.drafting.runner import DraftStep, Segment, masked_attention
+from specplug.vllm_eagle3.patches import LINEAR_QUANT_METHOD, LM_HEAD_QUANT_METHOD, PATCHES
 from specplug.common.heads.eagle3 import split_kv, stack_kv
 
 
@@ -189,6 +190,10 @@ def use_quantized_weights(model, state, fmt: str = "int8", target_model=None) ->
     checked against the layer it replaces on random rows; on any mismatch (or where the
     format cannot run) nothing changes. Returns None when swapped, else why not."""
     modules = eagle3_linears(model)
+    patches = {role: LM_HEAD_QUANT_METHOD if role == "lm_head" else LINEAR_QUANT_METHOD for role in modules}
+    refused = next(filter(None, (PATCHES.instance_refusal(patches[r], m) for r, m in modules.items())), None)
+    if refused is not None:
+        return refused
     if target_model is not None:
         targets = {id(m) for m in target_model.modules()}
         shared = [role for role, module in modules.items() if id(module) in targets]
@@ -205,6 +210,12 @@ def use_quantized_weights(model, state, fmt: str = "int8", target_model=None) ->
         if reason is not None:
             return reason
     for role, module in modules.items():
-        module.quant_method = _QuantMethod(weights[role], module.quant_method)
+        PATCHES.on(patches[role], module, weights[role])
     return None
+
+
+def quantized_method(replaced, weight) -> _QuantMethod:
+    """A layer's quant_method with `weight` (instance patches linear.quant_method and
+    lm_head.quant_method in patches.py)."""
+    return _QuantMethod(weight, replaced)
 

@@ -1,5 +1,5 @@
 """Guarded fixes of vLLM-CPU bugs that take a whole server down, applied by `register()`
-(which has already checked the vLLM version) on the CPU platform only.
+on the CPU platform only, under the version guard (declared in patches.py).
 
 `keep_cpu_generators_on_discard`: vLLM's runner rewinds the generator of a seeded request
 whose sampled token it discards (a prompt split by chunked prefill) with
@@ -20,22 +20,19 @@ import functools
 import numpy as np
 
 
-def keep_cpu_generators_on_discard(runner_cls) -> None:
-    """Wrap runner_cls._bookkeeping_sync once (idempotent)."""
-    original = runner_cls._bookkeeping_sync
-    if getattr(original, "specplug_fix", False):
-        return
+def keep_cpu_generators_on_discard(bookkeeping_sync):
+    """The runner's _bookkeeping_sync wrapped (patch "GPUModelRunner._bookkeeping_sync" in
+    patches.py): CPU generators of discarded rows are held out of the call."""
 
-    @functools.wraps(original)
+    @functools.wraps(bookkeeping_sync)
     def _bookkeeping_sync(self, *args, **kwargs):
         held = hold_discarded_cpu_generators(self)
         try:
-            return original(self, *args, **kwargs)
+            return bookkeeping_sync(self, *args, **kwargs)
         finally:
             self.input_batch.generators.update(held)
 
-    _bookkeeping_sync.specplug_fix = True
-    runner_cls._bookkeeping_sync = _bookkeeping_sync
+    return _bookkeeping_sync
 
 
 def hold_discarded_cpu_generators(runner) -> dict:

@@ -19,11 +19,12 @@ row, computed as if the drafts were a chain; in stage "tree" the runner's
 sample_hidden_states are put in accepted-path order first
 (TreeVerifier.committed_samples through RunnerState.wrap_sample_hidden). vLLM's
 runner builds MedusaProposer without itself, so register() hands the runner over after
-it is built (`attach_to_runners`).
+it is built (`attaching_init`, patch "GPUModelRunner.__init__" in patches.py).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
@@ -80,8 +81,9 @@ class SpecplugMedusaProposer(MedusaProposer):
             return
         self.state = RunnerState(runner)
         if self.specplug.stage == "tree":
-            from specplug.vllm_eagle3.tree_verify import TreeVerifier, check_platform
+            from specplug.vllm_eagle3.tree_platform import check_platform
             check_platform(self.vllm_config)
+            from specplug.vllm_eagle3.tree_verify import TreeVerifier
             self.tree_verifier = TreeVerifier(self.state)
             self.tree_verifier.install()
             self.state.wrap_sample_hidden(self.tree_verifier.committed_samples)
@@ -126,15 +128,16 @@ class SpecplugMedusaProposer(MedusaProposer):
         return drafts
 
 
-def attach_to_runners(runner_cls) -> None:
-    """Wrap runner_cls.__init__ so a SpecplugMedusaProposer drafter is attached to the
-    runner that built it (vLLM constructs MedusaProposer(vllm_config, device) without it)."""
-    init = runner_cls.__init__
+def attaching_init(init):
+    """GPUModelRunner.__init__ wrapped (patches.py): a SpecplugMedusaProposer drafter is
+    attached to the runner that built it (vLLM constructs MedusaProposer(vllm_config,
+    device) without it)."""
 
+    @functools.wraps(init)
     def __init__(self, *args, **kwargs):
         init(self, *args, **kwargs)
         drafter = getattr(self, "drafter", None)
         if isinstance(drafter, SpecplugMedusaProposer):
             drafter.attach(self)
 
-    runner_cls.__init__ = __init__
+    return __init__

@@ -6,7 +6,7 @@ checks the vLLM version before importing this module). With a head whose config.
 has no `specplug` section every method is vLLM's own. With a specplug head, `propose`
 drafts an EAGLE-2 dynamic tree per request from the target's hidden states (EAGLE-3:
 the aux layers'; EAGLE-1: the final one) and hands vLLM one root path of it as its
-chain (stage A: the path with the largest expected accepted length), which specplug's
+chain (stage "chain": the path with the largest expected accepted length), which specplug's
 chain sampler (sampler.py, in place of the runner's rejection sampler) verifies
 losslessly. In stage "tree" (tree_verify.py) it hands vLLM every kept node of the tree
 as a draft token instead, and vLLM's target verifies the whole tree in one pass;
@@ -72,7 +72,7 @@ class SpecplugEagleProposer(EagleProposer):
         check_num_speculative_tokens(self.specplug, self.num_speculative_tokens)
         self.tree_verifier = None  # stage "tree": a TreeVerifier, built with the runner
         if self.specplug.stage == "tree":
-            from specplug.vllm_eagle3.tree_verify import check_platform
+            from specplug.vllm_eagle3.tree_platform import check_platform
             check_platform(vllm_config)
         self.drafting: EagleDrafting | None = None  # built on the loaded head at the first step
         self.adaptive: AdaptiveController | None = None
@@ -223,7 +223,7 @@ class SpecplugEagleProposer(EagleProposer):
         return out.to(next_token_ids.device)
 
     def _draft_chains(self, roots, req_ids, depth):
-        """Stage A: (Long [len(roots), depth], Float [len(roots)]): each request's best tree
+        """Stage "chain": (Long [len(roots), depth], Float [len(roots)]): each request's best tree
         path and its expected accepted length, or with sampled drafts on, a chain drawn from
         q for each request that samples (_draws_from_q; expected length unknown: inf)."""
         drawn = [self._draws_from_q(r) for r in req_ids]
@@ -291,7 +291,7 @@ class SpecplugEagleProposer(EagleProposer):
         return rows
 
     def _draft_trees(self, roots, req_ids):
-        """Stage B: every kept node of each root's tree, Long [len(roots), N - 1], its
+        """Stage "tree": every kept node of each root's tree, Long [len(roots), N - 1], its
         topology recorded for the verifier; requests that need a chain (needs_chain) get
         their best path padded to N - 1 instead, recorded as nothing (= a chain)."""
         config = self.specplug.tree

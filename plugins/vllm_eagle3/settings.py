@@ -1,115 +1,32 @@
-"""Reads the specplug section of an EAGLE head's config.json into adapter settings, and
-checks the head against the target it is asked to draft for.
+"""The vLLM adapter's side of a head's specplug section: vLLM's method -> the head's kind,
+the schema's settings refused where vLLM cannot run them, and the head checked against
+the target it is asked to draft for.
 
 A head is "ours" when its config.json has a `specplug` section: method "eagle3" for
-vLLM's method "eagle3", "eagle1" for vLLM's method "eagle" (EAGLE-1 heads); without it
-vLLM's built-in EAGLE path runs untouched. Tree settings come from the
-section's `tree` dict; the environment variable SPECPLUG_TREE (a JSON object, e.g.
-'{"topk": 2}') overrides single keys without editing the checkpoint. Adaptive
-speculation (adaptive.py) is off unless the section says `"adaptive": true`; the
-environment variable SPECPLUG_ADAPTIVE ("1"/"true" or "0"/"false") overrides it. The
-verification stage comes from the section's `"stage"` ("chain" when absent); the
-environment variable SPECPLUG_STAGE ("chain" or "tree") overrides it. Hybrid drafting
-(head + a token drafter's candidates merged into one tree) is on when the section has
-`"retrieval": true` or an object of specplug.common.retrieval.RetrievalConfig fields
-(plus an optional "datastore" path), SPECPLUG_RETRIEVAL ("0"/"1" or such a JSON
-object) overriding it, or `"drafter": NAME` / `{"name": NAME, fields}` for any
-registered token drafter, SPECPLUG_DRAFTER overriding both
-(specplug.common.token_drafters.drafter_choice). `"calibrate": true` ranks hybrid
-candidates on measured acceptance (SPECPLUG_CALIBRATE overrides); `"draft_temperature": T`
-draws sampled requests' chains from the head's q at T, verified with q
-(SPECPLUG_DRAFT_TEMPERATURE overrides). `"gate": true` hands vLLM a request's chain only
-when its expected accepted length pays for the tokens it adds to the step
-(specplug.common.policy.payoff; SPECPLUG_GATE overrides; stage "chain").
-`"head_weights": "int8"` or `"int4"` runs an EAGLE-3 head's linears with quantized weights
-(specplug.common.drafting.int8 / int4; the older `"head_int8": true` is "int8";
-SPECPLUG_HEAD_WEIGHTS overrides).
+vLLM's method "eagle3", "eagle1" for vLLM's method "eagle" (EAGLE-1 heads), "medusa" for
+"medusa" (medusa_settings.py); without it vLLM's built-in path runs untouched. The
+section, its SPECPLUG_* overrides (SPECPLUG_TREE, SPECPLUG_STAGE, SPECPLUG_ADAPTIVE,
+SPECPLUG_DRAFTER / SPECPLUG_RETRIEVAL, SPECPLUG_CALIBRATE, SPECPLUG_DRAFT_TEMPERATURE,
+SPECPLUG_GATE, SPECPLUG_HEAD_WEIGHTS / SPECPLUG_HEAD_INT8), their defaults, checks and
+sources are specplug.common.head_section's, the same for SGLang (docs/heads.md, "The
+specplug section"). vLLM maps no argument onto the schema: its num_speculative_tokens is
+checked against the tree here (check_num_speculative_tokens). What this adapter adds:
+sampled drafts (draft_temperature) and the draft gate run in stage "chain" only, adaptive
+speculation not in stage "tree".
 """
 
 from __future__ import annotations
 
-import json
 import os
-from dataclasses import dataclass, fields
 from typing import Any, Mapping
 
-from specplug.common.policy.adaptive import ENV_ADAPTIVE as ENV_ADAPTIVE_OVERRIDE
-from specplug.common.drafting.int8 import ENV_HEAD_INT8, ENV_HEAD_WEIGHTS, head_weights
-from specplug.common.drafting.sampled import ENV_DRAFT_TEMPERATURE, draft_temperature
-from specplug.common.policy.adaptive import adaptive_flag, section_flag
-from specplug.common.policy.calibration import ENV_CALIBRATE
-from specplug.common.retrieval.config import ENV_RETRIEVAL
-from specplug.common.token_drafters import ENV_DRAFTER, DrafterChoice, check_choice, drafter_choice
-from specplug.common.tree import TreeConfig
+from specplug.common.head_section import ENV_ADAPTIVE, ENV_DRAFT_TEMPERATURE, ENV_GATE, ENV_TREE, HeadSettings, parse
 
-ENV_TREE_OVERRIDE = "SPECPLUG_TREE"
-ENV_STAGE_OVERRIDE = "SPECPLUG_STAGE"
-ENV_GATE = "SPECPLUG_GATE"
-STAGES = ("chain", "tree")
-
-
-@dataclass(frozen=True)
-class AdapterSettings:
-    """How the specplug proposer drafts inside vLLM.
-
-    tree: EAGLE-2 settings (specplug.common.tree.TreeConfig: depth, topk, budget).
-      In stage "chain" vLLM's num_speculative_tokens is the draft depth (the chain vLLM
-      verifies has exactly that many tokens) and every drafted node is kept. In stage
-      "tree" the depth is tree.depth and num_speculative_tokens must equal tree.budget
-      (every kept node is one vLLM draft token; see check_num_speculative_tokens).
-    verification: "lossless" only (vLLM never runs lossy typical acceptance here).
-    stage: "chain" = stage A: the tree's best root-to-leaf path is verified as vLLM's
-      chain, by specplug's sampler (specplug.common.sampling.verify). "tree" = stage B:
-      the whole tree is verified in one target pass (tree_verify.py).
-    adaptive: per engine step, draft 0..num_speculative_tokens tokens as chosen by
-      specplug.common.policy.cost from costs and acceptance measured in the engine (adaptive.py).
-    drafter: hybrid drafting: the token drafter (specplug.common.token_drafters; the
-      built-in "retrieval" or any registered one) whose candidates are merged with the
-      head's tree (specplug.common.merge) before path choice; None = head only.
-    calibrate: hybrid drafting ranks the head's and the token drafter's nodes on the
-      acceptance measured for each source in this engine
-      (specplug.common.policy.calibration), not on their own scores; stage "chain".
-    draft_temperature: sampled drafts: a request that samples (T > 0, no seed) gets a
-      chain drawn from the head's q = softmax(draft log-probs / draft_temperature),
-      verified with q (rejection sampling, lossless); None = argmax drafts for all.
-      Stage "chain" only.
-    gate: per request and step, drafts only where their expected accepted length pays
-      for the tokens they add to the step, on step costs measured in this engine
-      (specplug.common.policy.payoff.DraftGate); the others run a plain step. Stage "chain".
-    head_weights: "float" (as loaded), "int8" (one scale per output channel,
-      specplug.common.drafting.int8) or "int4" (groups of 64 inputs,
-      specplug.common.drafting.int4): the EAGLE-3 head's linears after fc run with
-      weight-only quantized weights where the head is bf16 or fp32 on a CPU; drafts only,
-      so output is unchanged. Elsewhere (or for EAGLE-1) the head runs as loaded.
-    """
-
-    tree: TreeConfig = TreeConfig()
-    verification: str = "lossless"
-    stage: str = "chain"
-    adaptive: bool = False
-    drafter: DrafterChoice | None = None
-    calibrate: bool = False
-    draft_temperature: float | None = None
-    gate: bool = False
-    head_weights: str = "float"
-
-    def __post_init__(self):
-        if self.verification != "lossless":
-            raise ValueError(
-                f"specplug verification {self.verification!r} is not supported by the vLLM adapter: "
-                "it verifies losslessly only; set \"verification\": \"lossless\" in the head's config.json"
-            )
-        if self.draft_temperature is not None and self.stage != "chain":
-            raise ValueError(f"specplug \"draft_temperature\" (sampled drafts) needs stage \"chain\", the head says "
-                             f"stage {self.stage!r}: drop \"draft_temperature\" (or unset {ENV_DRAFT_TEMPERATURE}), "
-                             f"or use stage \"chain\"")
-        if self.gate and self.stage != "chain":
-            raise ValueError(f"specplug \"gate\" needs stage \"chain\", the head says stage {self.stage!r}: "
-                             f"drop \"gate\" (or set {ENV_GATE}=0), or use stage \"chain\"")
-        if self.stage not in STAGES:
-            raise ValueError(f"specplug stage must be one of {STAGES}, got {self.stage!r}: set \"stage\" in the "
-                             f"head's specplug section or {ENV_STAGE_OVERRIDE} to \"chain\" or \"tree\"")
-
+# How the specplug proposer drafts inside vLLM: the core schema as parsed (HeadSettings).
+# In stage "chain" vLLM's num_speculative_tokens is the draft depth (the chain vLLM
+# verifies has exactly that many tokens); in stage "tree" the depth is tree.depth and
+# num_speculative_tokens must equal tree.budget (see check_num_speculative_tokens).
+AdapterSettings = HeadSettings
 
 # vLLM's speculative method -> the method a specplug head's section names
 HEAD_METHOD = {"eagle3": "eagle3", "eagle": "eagle1", "medusa": "medusa"}
@@ -138,61 +55,24 @@ def specplug_section(hf_config: Any, vllm_method: str = "eagle3") -> dict | None
     return dict(section)
 
 
-def adapter_settings(section: Mapping[str, Any], environ: Mapping[str, str] = os.environ) -> AdapterSettings:
-    """AdapterSettings from a specplug section, with SPECPLUG_TREE overrides applied."""
-    tree = dict(section.get("tree") or {})
-    override = environ.get(ENV_TREE_OVERRIDE)
-    if override:
-        try:
-            tree.update(json.loads(override))
-        except (json.JSONDecodeError, TypeError, ValueError) as exc:
-            raise ValueError(f"{ENV_TREE_OVERRIDE} must be a JSON object, got {override!r}: {exc}") from exc
-    drafter = drafter_choice(section, environ)
-    if drafter is not None:
-        check_choice(drafter)
-    return AdapterSettings(
-        tree=TreeConfig.from_dict(tree),
-        verification=section.get("verification", "lossless"),
-        stage=environ.get(ENV_STAGE_OVERRIDE) or section.get("stage", "chain"),
-        adaptive=adaptive_flag(section, environ),
-        drafter=drafter,
-        calibrate=section_flag(section, "calibrate", environ, ENV_CALIBRATE, "calibrated hybrid scores"),
-        draft_temperature=draft_temperature(section, environ),
-        gate=section_flag(section, "gate", environ, ENV_GATE, "the draft gate"),
-        head_weights=head_weights(section, environ),
-    )
+def adapter_settings(section: Mapping[str, Any], environ: Mapping[str, str] = os.environ, *,
+                     method: str | None = None, num_heads: int | None = None) -> AdapterSettings:
+    """The section's settings (specplug.common.head_section.parse, environment applied),
+    refused where vLLM cannot run them (check_vllm)."""
+    settings = parse(section, environ, method=method, num_heads=num_heads).settings
+    check_vllm(settings)
+    return settings
 
 
-# Where each AdapterSettings field (but tree) is read: (keys of the specplug section,
-# environment variables that override them, first one set wins).
-SOURCES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
-    "verification": (("verification",), ()),
-    "stage": (("stage",), (ENV_STAGE_OVERRIDE,)),
-    "adaptive": (("adaptive",), (ENV_ADAPTIVE_OVERRIDE,)),
-    "drafter": (("drafter", "retrieval"), (ENV_DRAFTER, ENV_RETRIEVAL)),
-    "calibrate": (("calibrate",), (ENV_CALIBRATE,)),
-    "draft_temperature": (("draft_temperature",), (ENV_DRAFT_TEMPERATURE,)),
-    "gate": (("gate",), (ENV_GATE,)),
-    "head_weights": (("head_weights", "head_int8"), (ENV_HEAD_WEIGHTS, ENV_HEAD_INT8)),
-}
-
-
-def setting_sources(section: Mapping[str, Any], environ: Mapping[str, str] = os.environ) -> dict[str, str]:
-    """Where adapter_settings(section, environ) takes each value from: "env NAME",
-    "config.json" or "default"; tree fields as "tree.depth" ... (SPECPLUG_TREE's keys)."""
-    sources = {}
-    for name, (keys, envs) in SOURCES.items():
-        env = next((e for e in envs if (environ.get(e) or "").strip()), None)
-        sources[name] = f"env {env}" if env else "config.json" if any(k in section for k in keys) else "default"
-    try:
-        overridden = json.loads(environ.get(ENV_TREE_OVERRIDE) or "{}")
-    except json.JSONDecodeError:
-        overridden = {}
-    tree = section.get("tree") or {}
-    for name in (f.name for f in fields(TreeConfig)):
-        sources[f"tree.{name}"] = (f"env {ENV_TREE_OVERRIDE}" if name in overridden else
-                                   "config.json" if name in tree else "default")
-    return sources
+def check_vllm(settings: AdapterSettings) -> None:
+    """ValueError for what vLLM runs in stage "chain" only: sampled drafts and the gate."""
+    if settings.draft_temperature is not None and settings.stage != "chain":
+        raise ValueError(f"specplug \"draft_temperature\" (sampled drafts) needs stage \"chain\", the head says "
+                         f"stage {settings.stage!r}: drop \"draft_temperature\" (or unset {ENV_DRAFT_TEMPERATURE}), "
+                         f"or use stage \"chain\"")
+    if settings.gate and settings.stage != "chain":
+        raise ValueError(f"specplug \"gate\" needs stage \"chain\", the head says stage {settings.stage!r}: "
+                         f"drop \"gate\" (or set {ENV_GATE}=0), or use stage \"chain\"")
 
 
 def check_num_speculative_tokens(settings: AdapterSettings, num_speculative_tokens: int) -> None:
@@ -203,7 +83,7 @@ def check_num_speculative_tokens(settings: AdapterSettings, num_speculative_toke
         return
     if settings.adaptive:
         raise ValueError("specplug stage \"tree\" cannot be combined with \"adaptive\": true "
-                         f"(adaptive speculation chooses chain depths); unset {ENV_ADAPTIVE_OVERRIDE} "
+                         f"(adaptive speculation chooses chain depths); unset {ENV_ADAPTIVE} "
                          "or set \"adaptive\": false, or use stage \"chain\"")
     budget = settings.tree.budget
     if num_speculative_tokens != budget:
@@ -211,7 +91,7 @@ def check_num_speculative_tokens(settings: AdapterSettings, num_speculative_toke
             f"specplug stage \"tree\" verifies tree.budget={budget} draft nodes per step as vLLM draft "
             f"tokens, but num_speculative_tokens is {num_speculative_tokens}: set "
             f"\"num_speculative_tokens\": {budget} in vLLM's speculative_config (or change the head's "
-            f"tree budget, e.g. {ENV_TREE_OVERRIDE}='{{\"budget\": {num_speculative_tokens}}}')"
+            f"tree budget, e.g. {ENV_TREE}='{{\"budget\": {num_speculative_tokens}}}')"
         )
 
 

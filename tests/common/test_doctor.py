@@ -18,6 +18,7 @@ from specplug import doctor_env, testbed_heads
 from specplug.cli import main
 from specplug.common import formats, testbed
 from specplug.common.drafting import int4, int8
+from specplug.common.patches import WRAP, Expect, Patch, PatchSet, value
 
 EAGLE3_HEAD = testbed_heads.ROOT / "smollm2-eagle3"
 MEDUSA_HEAD = testbed_heads.ROOT / "smollm2-medusa"
@@ -140,12 +141,14 @@ def test_environment_overrides_are_named_as_sources(capsys, monkeypatch):
     assert rc == 0 and report["head"]["engines"]["vLLM"]["num_speculative_tokens"] == 7  # stage tree: the budget
 
 
-def test_bad_override_refused_by_the_engine_that_reads_it(capsys, monkeypatch):
-    monkeypatch.setenv("SPECPLUG_STAGE", "bush")  # vLLM reads the stage; SPECPLUG_EAGLE3 does not
+def test_bad_override_refused_by_both_engines(capsys, monkeypatch):
+    """One schema (specplug.common.head_section): a bad value is bad in both engines, even
+    in a field only vLLM acts on."""
+    monkeypatch.setenv("SPECPLUG_STAGE", "bush")
     rc, report, _ = doctor(capsys, "--head", EAGLE3_HEAD)
     head = report["head"]
     assert "SPECPLUG_STAGE" in head["settings_error"] and "SPECPLUG_STAGE" in head["engines"]["vLLM"]["refused"]
-    assert head["engines"]["SGLang"]["refused"] is None and rc == 0
+    assert "SPECPLUG_STAGE" in head["engines"]["SGLang"]["refused"] and rc == 1
 
 
 def test_matching_target_is_checked(capsys, tmp_path):
@@ -225,15 +228,24 @@ def test_patches_degrade_when_the_adapter_cannot_say(monkeypatch):
     installed = {"version": "1.0", "supported": True}
     adapter = types.ModuleType("fake_adapter")
     monkeypatch.setitem(sys.modules, "fake_adapter", adapter)
-    assert doctor_env.patches(engine, installed)["status"] == "could not check: fake_adapter has no patch_sites_found()"
+    assert doctor_env.patches(engine, installed)["status"] == "could not check: fake_adapter has no PATCHES"
 
     def broken():
         raise RuntimeError("engine import failed")
 
-    adapter.PATCH_SITES, adapter.patch_sites_found = ("fake.site",), broken
+    def version():
+        return "1.0"
+
+    adapter.PATCHES = PatchSet("Fake", version, [Patch("site", "fake.site", WRAP, value(None), Expect(), "-", "-")])
+    adapter.patch_sites_found = broken
     found = doctor_env.patches(engine, installed)
-    assert found == {"status": "could not check: RuntimeError: engine import failed", "sites": {"fake.site": None}}
+    assert found["status"] == "could not check: RuntimeError: engine import failed"
+    assert found["sites"] == {"fake.site": None} and [row["name"] for row in found["patches"]] == ["site"]
     assert "not checked" in doctor_env.patches(engine, {"version": "0.9", "supported": False})["status"]
+    adapter.patch_sites_found = lambda: {"fake.site": False}
+    found = doctor_env.patches(engine, installed)  # a target missing: the patch would be refused, and why
+    assert found["status"] == "0 of 1 patches match; 1 would be refused: specplug cannot patch this Fake as it is"
+    assert "fake not found (ModuleNotFoundError" in found["patches"][0]["reason"] and "fake.site" in found["missing"]
 
 
 @pytest.mark.parametrize("engine, environ, left_out", [

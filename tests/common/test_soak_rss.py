@@ -29,8 +29,9 @@ def test_a_short_run_swinging_with_the_mix_passes():
 
 
 def test_the_measured_warm_up_then_plateau_passes():
-    """The ninth session's 30-minute chain run: 3529 MiB at minute 1, +10% by minute 13,
-    then flat; the check from minute 1 (reported) reads above the limit, the check passes."""
+    """The 30-minute chain soak of docs/reliability.md (2026-12-01): 3529 MiB at minute 1,
+    +10% by minute 13, then flat; the check from minute 1 (reported) reads above the
+    limit, the check passes."""
     def chain(m):
         return 3529 + 330 * min(m, 13) / 13
     summary = rss_summary(samples(31, chain), 31 * 60)

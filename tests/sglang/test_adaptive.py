@@ -55,7 +55,9 @@ def test_adaptive_from_section_argument_and_env(medusa_heads, tmp_path):
     assert not settings_from_server_args(cfg, environ={}).adaptive
     assert settings_from_server_args(cfg, adaptive_arg=True, environ={}).adaptive
     assert settings_from_server_args(cfg, environ={"SPECPLUG_ADAPTIVE": "1"}).adaptive
-    assert not settings_from_server_args(cfg, adaptive_arg=True, environ={"SPECPLUG_ADAPTIVE": "0"}).adaptive
+    # one precedence for every field (specplug.common.head_section): the argument over the environment
+    assert settings_from_server_args(cfg, adaptive_arg=True, environ={"SPECPLUG_ADAPTIVE": "0"}).adaptive
+    assert not settings_from_server_args(cfg, environ={"SPECPLUG_ADAPTIVE": "0"}).adaptive
     heads = tmp_path / "heads"
     heads.mkdir()
     for f in medusa_heads.iterdir():

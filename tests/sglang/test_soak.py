@@ -7,9 +7,9 @@ and the harness itself when run from the repository).
 
 The mix leaves out two kinds (docs/reliability.md, "Known failures"): "json-schema" (the
 MEDUSA worker does not apply grammars; such requests are refused with a 400 when they
-arrive, tests/sglang/test_server.py, which the harness would count as errors; before that
-refusal one took the whole server down) and "seeded" (SGLang 0.5.23 on CPU did not
-reproduce seeded requests even without speculation: 8 of 8 pairs differed).
+arrive, tests/sglang/test_server.py, which the harness would count as errors) and
+"seeded" (SGLang 0.5.23 on CPU did not reproduce seeded requests even without
+speculation: 8 of 8 pairs differed).
 """
 
 from __future__ import annotations

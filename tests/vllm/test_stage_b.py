@@ -1,4 +1,4 @@
-"""Stage B ("tree"): vLLM verifies the whole draft tree in one target pass.
+"""Stage "tree": vLLM verifies the whole draft tree in one target pass.
 
 Greedy output must be token-identical to vLLM without speculation; sampled output must
 be reproducible per seed and keep the target's distribution; wrong masks or positions

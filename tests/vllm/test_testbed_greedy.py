@@ -1,11 +1,12 @@
-"""Greedy equality of stage A ("chain") and stage B ("tree") on the real test bed
+"""Greedy equality of stages "chain" and "tree" on the real test bed
 (SmolLM2-135M-Instruct, GQA 9/3 heads, 30 layers) with the committed EAGLE-3 head, at
 batch 1, 4 and 16 over MT-bench prompts of mixed lengths.
 
-Near-tie rule: stage B recomputes tree rows with SDPA, a different fp32 kernel from the
-one vLLM decodes with, so an fp32 near-tie may flip. A difference passes only if the
-first diverging token is the baseline's runner-up at a top-2 log-prob gap below
-NEAR_TIE (nats) at that position; any other difference is a bug.
+Near-tie rule: stage "tree" recomputes tree rows with its own attention (two batched
+matmuls), a different fp32 kernel from the one vLLM decodes with, so an fp32 near-tie may
+flip. A difference passes only if the first diverging token is the baseline's runner-up
+at a top-2 log-prob gap below NEAR_TIE (nats) at that position; any other difference is
+a bug.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ of GROUP input columns with their own scale and zero point (asymmetric:
 w[n, k] ~ (q[n, k] - 8) * scale[g, n] + zero[g, n], g = k // GROUP, q in [0, 15]), read by
 torch's `_weight_int4pack_mm_for_cpu` with the activations rounded to bf16. Outputs are
 about 9% off the float layer on random rows (int8: 1%); on the test-bed EAGLE-3 head the
-drafts barely move (docs/tuning.md, "Twenty-sixth session"). Only drafts change:
+drafts barely move (docs/tuning.md, "Head weights: int8 and int4"). Only drafts change:
 verification never sees the head.
 
 Invariant: `int4_linear(x, quantize(w))` equals `x @ dequantize(w).T` up to rounding x

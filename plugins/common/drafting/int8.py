@@ -7,7 +7,7 @@ output channel (symmetric: w[n, k] ~ scale[n] * q[n, k], q in [-127, 127]), the 
 are a quarter of fp32's bytes (half of bf16's), and torch's `_weight_int8pack_mm` widens
 them in registers, with the activations rounded to bf16 for it: the EAGLE-3 test-bed
 head's five linears after fc, one row, cache cold, 2.5 ms with vLLM-CPU's oneDNN fp32
-GEMM against 1.05 ms (docs/tuning.md, "Twenty-fourth session").
+GEMM against 1.05 ms (docs/tuning.md, "Head weights: int8 and int4").
 
 Only drafts change: verification never sees the head, so output is unchanged; the
 head's acceptance may move a little (measured in the same section).
@@ -16,9 +16,9 @@ Invariant: `int8_linear(x, quantize(w))` equals `x @ dequantize(quantize(w)).T` 
 rounding x to bf16, and every entry of `dequantize(quantize(w))` lies within half a
 step (scale / 2) of w's.
 
-This module also holds what both weight formats share (`int4` is the other): the head
-section's "head_weights", the platform check and rounded-up bf16 scales, the EAGLE-3
-roles, the check of a copy against its layer, and `swap_linears`.
+This module also holds what both weight formats share (`int4` is the other): the platform
+check and rounded-up bf16 scales, the EAGLE-3 roles, the check of a copy against its
+layer, and `swap_linears`. A head section's "head_weights" is specplug.common.head_section's.
 """
 
 from __future__ import annotations
@@ -28,11 +28,8 @@ from typing import Callable, Iterable, Mapping, NamedTuple
 import torch
 from torch import nn
 
-from specplug.common.policy.adaptive import section_flag
+from specplug.common.head_section import ENV_HEAD_INT8, ENV_HEAD_WEIGHTS, WEIGHT_FORMATS  # noqa: F401 (re-exported)
 
-WEIGHT_FORMATS = ("float", "int8", "int4")  # a head section's "head_weights"
-ENV_HEAD_WEIGHTS = "SPECPLUG_HEAD_WEIGHTS"  # overrides "head_weights" (float / int8 / int4)
-ENV_HEAD_INT8 = "SPECPLUG_HEAD_INT8"  # the older switch: overrides a head section's "head_int8" (1 / 0)
 KERNEL_DTYPE = torch.bfloat16  # the activations' dtype inside the int8 kernel (fp32 there is 10x slower)
 ACTIVATION_DTYPES = (torch.bfloat16, torch.float32)
 K_MULTIPLE = 64  # torch 2.13's kernel reads K in blocks: K = 24, 40 crashed it (16, 48 did not); 64 is safe
@@ -75,26 +72,19 @@ class Int8Weight(NamedTuple):
 
 
 def head_int8_flag(section: Mapping, environ: Mapping[str, str]) -> bool:
-    """A head section's "head_int8" (default false), SPECPLUG_HEAD_INT8 overriding."""
-    return section_flag(section, "head_int8", environ, ENV_HEAD_INT8, "int8 head weights")
+    """A head section's older "head_int8" (default false), SPECPLUG_HEAD_INT8 overriding
+    (specplug.common.head_section reads it as "head_weights": "int8")."""
+    from specplug.common import head_section
+
+    return head_section.flag(section, "head_int8", environ, ENV_HEAD_INT8, "int8 head weights")
 
 
 def head_weights(section: Mapping, environ: Mapping[str, str]) -> str:
-    """How a head's linears run: a section's "head_weights" (one of WEIGHT_FORMATS), else
-    its older "head_int8" (true = "int8"; default "float"); SPECPLUG_HEAD_WEIGHTS
-    overrides both, SPECPLUG_HEAD_INT8 the older switch."""
-    value = section.get("head_weights")
-    if value is not None and value not in WEIGHT_FORMATS:
-        raise ValueError(f"specplug \"head_weights\" in config.json must be one of {list(WEIGHT_FORMATS)}, "
-                         f"got {value!r}")
-    override = (environ.get(ENV_HEAD_WEIGHTS) or "").strip().lower()
-    if override:
-        if override not in WEIGHT_FORMATS:
-            raise ValueError(f"{ENV_HEAD_WEIGHTS} must be one of {list(WEIGHT_FORMATS)}, got {override!r}")
-        return override
-    if value is not None and not (environ.get(ENV_HEAD_INT8) or "").strip():
-        return value
-    return "int8" if head_int8_flag(section, environ) else "float"
+    """How a head's linears run (one of WEIGHT_FORMATS): specplug.common.head_section's
+    "head_weights" ("head_int8", SPECPLUG_HEAD_WEIGHTS, SPECPLUG_HEAD_INT8)."""
+    from specplug.common import head_section
+
+    return head_section.head_weights(section, environ)
 
 
 def quantizer(fmt: str) -> Callable[[torch.Tensor], "Int8Weight | int4.Int4Weight"]:

@@ -15,24 +15,12 @@ ENV_DRAFT_TEMPERATURE = "SPECPLUG_DRAFT_TEMPERATURE"  # overrides a head section
 
 
 def draft_temperature(section: Mapping, environ: Mapping[str, str]) -> float | None:
-    """The temperature sampled drafts are drawn at, or None (top-k trees): the environment's
-    SPECPLUG_DRAFT_TEMPERATURE (empty or 0: off), else the head section's
-    "draft_temperature". ValueError names where a bad value came from."""
-    text = environ.get(ENV_DRAFT_TEMPERATURE)
-    where = ENV_DRAFT_TEMPERATURE if text is not None else "specplug.draft_temperature in the head's config.json"
-    value = text.strip() if text is not None else section.get("draft_temperature")
-    if value in (None, ""):
-        return None
-    try:
-        temperature = float(value)
-    except (TypeError, ValueError):
-        temperature = float("nan")
-    if temperature == 0:
-        return None
-    if not temperature > 0:
-        raise ValueError(f"{where} must be a temperature > 0 (or 0 / unset: top-k trees), got {value!r}: "
-                         "fix or unset it")
-    return temperature
+    """The temperature sampled drafts are drawn at, or None (top-k trees): a head section's
+    "draft_temperature", SPECPLUG_DRAFT_TEMPERATURE overriding (0: off), as
+    specplug.common.head_section reads it."""
+    from specplug.common import head_section
+
+    return head_section.draft_temperature(section, environ)
 
 
 class SampledDrafts:

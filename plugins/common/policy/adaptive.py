@@ -42,7 +42,6 @@ logger = logging.getLogger(__name__)
 
 ENV_ADAPTIVE = "SPECPLUG_ADAPTIVE"
 ENV_COSTS = "SPECPLUG_ADAPTIVE_COSTS"
-_BOOLS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
 
 
 @dataclass(frozen=True)
@@ -63,17 +62,10 @@ def adaptive_flag(section: Mapping, environ: Mapping[str, str]) -> bool:
 
 def section_flag(section: Mapping, key: str, environ: Mapping[str, str], env: str, what: str) -> bool:
     """A true/false field of a head's specplug section (default False), overridden by the
-    environment variable `env` (1/true/yes/on or 0/false/no/off)."""
-    value = section.get(key, False)
-    if not isinstance(value, bool):
-        raise TypeError(f"specplug \"{key}\" in config.json must be true or false, got {value!r}")
-    override = (environ.get(env) or "").strip().lower()
-    if not override:
-        return value
-    if override not in _BOOLS:
-        raise ValueError(f"{env} must be 1/true/yes or 0/false/no, got {override!r}: "
-                         f"set it to 1 to turn {what} on, 0 to turn it off")
-    return _BOOLS[override]
+    environment variable `env` (1/true/yes/on or 0/false/no/off): specplug.common.head_section.flag."""
+    from specplug.common import head_section
+
+    return head_section.flag(section, key, environ, env, what)
 
 
 def chain_options(max_depth: int) -> tuple[SpecOption, ...]:
