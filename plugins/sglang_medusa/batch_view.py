@@ -14,6 +14,8 @@ from typing import NamedTuple
 
 import torch
 
+from specplug.common.verify_step import RequestSampling
+
 
 # ---------------------------------------------------------------------- requests
 
@@ -78,6 +80,27 @@ def sampling(batch) -> Sampling:
         return Sampling(True, None, None, None, None)
     rows = (info.temperatures, info.top_ks, info.top_ps)
     return Sampling(False, *(x.view(-1) for x in rows), info.min_ps.view(-1) if info.need_min_p_sampling else None)
+
+
+def committed_length(req) -> int:
+    """Tokens the request holds: prompt + committed output (the root included), i.e. the
+    sequence position of the next token it emits."""
+    return len(req.origin_input_ids) + len(req.output_ids)
+
+
+def request_sampling(batch) -> list[RequestSampling]:
+    """Each request's sampling settings in the core's terms, from its SamplingParams:
+    SGLang marks a greedy request with top_k 1 (temperature < 1e-6 becomes top_k 1), its
+    seed is `sampling_seed`, its filters run in SGLang's order."""
+    out = []
+    for req in batch.reqs:
+        sp = req.sampling_params
+        greedy = sp.top_k <= 1 or sp.temperature < 1e-6
+        out.append(RequestSampling(
+            temperature=0.0 if greedy else float(sp.temperature), top_k=0 if greedy else int(sp.top_k),
+            top_p=float(sp.top_p), min_p=float(sp.min_p), order="sglang", seed=sp.sampling_seed,
+            position=committed_length(req)))
+    return out
 
 
 # ---------------------------------------------------------------------- the target

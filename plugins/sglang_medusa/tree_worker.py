@@ -13,20 +13,23 @@ step for B requests:
    specplug.sglang_medusa.tree_attention), logits [B*n, V].
 3. accept: each node's row processed by the request's rules along its own path
    (penalties, min-new-tokens, logit bias: specplug.common.request_rules), then
-   specplug.common.sampling.verify, greedy for all-greedy batches, else the lossless
-   tree rule: with the drafter's q where its tree carries draft_probs (sampled drafts),
-   else target-only (or typical acceptance, LOSSY, when configured).
+   specplug.common.verify_step, which chooses each request's rule (greedy; "coupled",
+   with draws fixed by the request's `sampling_seed` and position when it has one;
+   otherwise rejection with the drafter's q where the tree carries draft_probs;
+   typical acceptance, LOSSY, when configured).
 4. commit: SGLang moves the accepted path's KV to the front of the verify window
    (move_accept_tokens_to_target_kvcache) and frees the rest.
 
 SGLang reserves KV slots for `num_nodes` nodes per request every step
 (speculative_num_draft_tokens); a step with a smaller tree uses the first n of them
 and pads its outputs to width num_nodes, the stride SGLang's bookkeeping reads.
-Prefill (extend) batches run the plain target forward.
+Prefill (extend) batches run the plain target forward; SGLang's sampler draws their
+first token, seeded per request for requests with a sampling_seed (_seeded_first_tokens).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 
@@ -37,6 +40,7 @@ from specplug.common.merge import merge_trees
 from specplug.common.metrics import AcceptanceStats
 from specplug.common.request_rules import apply_rules
 from specplug.common.tree import DraftTree, TreeBatch, ancestor_mask, sglang_layout, tree_depths
+from specplug.common.verify_step import verify_step
 from specplug.sglang_medusa import batch_view as view
 from specplug.sglang_medusa.request_rules import rules_of
 
@@ -46,11 +50,16 @@ try:  # SGLang is present whenever this module is imported by a worker factory
     from sglang.kernels.ops.speculative.cache_locs import assign_extend_cache_locs_func
     from sglang.srt.managers.utils import GenerationBatchResult
     from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardMode
+    from sglang.srt.runtime_context import get_exec
     from sglang.srt.speculative.base_spec_worker import BaseSpecWorker
     from sglang.srt.speculative.ngram_info import NgramVerifyInput
     from sglang.srt.speculative.spec_utils import move_accept_tokens_to_target_kvcache
 except ImportError as exc:  # pragma: no cover - import-time guard for engine-free installs
     raise ImportError("specplug.sglang_medusa needs SGLang 0.5.23: pip install 'specplug[sglang]'") from exc
+
+
+# SGLang 0.5.23 sampling backends whose sampler refuses per-request seeds (layers/sampler.py)
+SEEDLESS_SAMPLING_BACKENDS = ("flashinfer", "intel_xpu", "ascend")
 
 
 def tree_layout(tree: DraftTree, device="cpu") -> dict[str, torch.Tensor]:
@@ -79,8 +88,9 @@ class TreeVerifyWorker(BaseSpecWorker):
     """Built by SGLang's scheduler as `Worker(server_args=, gpu_id=, nccl_port=,
     target_worker=)`; drives the target worker, owns no model runner of its own.
 
-    Subclasses set `num_nodes` (the largest tree, root included), `method` ("rejection"
-    or "typical" for sampled requests), the hidden states their drafter reads
+    Subclasses set `num_nodes` (the largest tree, root included), `method` ("rejection":
+    lossless, verify_step's rule per request; "typical": typical acceptance for sampled
+    requests), the hidden states their drafter reads
     (`prefill_capture` / `verify_capture`, CaptureHiddenMode) and whether `_verified`
     needs the verify pass's time (`times_verify`: on a GPU timing synchronises)."""
 
@@ -102,6 +112,7 @@ class TreeVerifyWorker(BaseSpecWorker):
         self.num_nodes = num_nodes
         self.stats = AcceptanceStats()  # this worker's verify steps, all requests
         self.generator = torch.Generator(device="cpu").manual_seed(int(server_args.random_seed or 0))
+        self._unseeded_first_token_reasons: set[str] = set()
 
     @property
     def draft_worker(self):
@@ -154,8 +165,9 @@ class TreeVerifyWorker(BaseSpecWorker):
 
     def _extend_step(self, batch, on_publish, pp_proxy_tensors):
         """Plain target forward (prefill / idle); the drafter sees it through _prefilled."""
-        result = self.target_worker.forward_batch_generation(
-            batch, pp_proxy_tensors=pp_proxy_tensors, capture_hidden_mode=self.prefill_capture)
+        with self._seeded_first_tokens(batch):
+            result = self.target_worker.forward_batch_generation(
+                batch, pp_proxy_tensors=pp_proxy_tensors, capture_hidden_mode=self.prefill_capture)
         bs = len(view.requests(batch))
         if bs:
             self._prefilled(batch, result)
@@ -168,6 +180,43 @@ class TreeVerifyWorker(BaseSpecWorker):
         if on_publish is not None:
             on_publish(new_seq_lens)
         return self._result(result, result.next_token_ids, accept_tokens.flatten(), accept_lens, new_seq_lens)
+
+    @contextlib.contextmanager
+    def _seeded_first_tokens(self, batch):
+        """SGLang's own sampler draws a prefilled request's first token, and outside its
+        deterministic-inference mode it ignores `sampling_seed` (one random stream for the
+        batch). For an extend batch with a seeded sampled request this hands the sampler
+        per-request seeds for the one forward (its seeded path: a draw fixed by the seed
+        and the position): the request's sampling_seed, a fresh draw of self.generator for
+        the others. So a seeded request's first token, like every later one (verify_step),
+        does not depend on its batch companions. Not where SGLang's seeded sampler cannot
+        serve the batch: a sampler that takes no seed (SEEDLESS_SAMPLING_BACKENDS:
+        flashinfer, SGLang's default on CUDA) or a batch with a min-p request."""
+        info = batch.sampling_info
+        settings = view.request_sampling(batch)
+        if info is None or info.sampling_seed is not None or not any(
+                p.seed is not None and p.temperature > 0 for p in settings):
+            yield
+            return
+        backend = get_exec().kernel.sampling_backend
+        reason = (f"SGLang's sampling backend {backend!r} takes no per-request seeds (--sampling-backend pytorch "
+                  "does)" if backend in SEEDLESS_SAMPLING_BACKENDS else
+                  "SGLang's seeded sampler refuses min-p, which a request of the batch uses"
+                  if info.need_min_p_sampling else None)
+        if reason is not None:
+            if reason not in self._unseeded_first_token_reasons:
+                self._unseeded_first_token_reasons.add(reason)
+                logger.info("specplug: the first token of a request with sampling_seed is drawn unseeded when %s; "
+                            "its later tokens are seeded", reason)
+            yield
+            return
+        fresh = torch.randint(-(1 << 62), 1 << 62, (len(settings),), generator=self.generator).tolist()
+        seeds = [p.seed if p.seed is not None else f for p, f in zip(settings, fresh)]
+        info.sampling_seed = torch.tensor(seeds, dtype=torch.int64, device=info.temperatures.device)
+        try:
+            yield
+        finally:
+            info.sampling_seed = None
 
     def _decode_step(self, batch, on_publish, pp_proxy_tensors):
         if batch.has_grammar:
@@ -247,28 +296,19 @@ class TreeVerifyWorker(BaseSpecWorker):
             draft_token_num=n)
 
     def _accept(self, batch, tree: TreeBatch, logits: torch.Tensor) -> sampling.VerifyResult:
-        """specplug.common.sampling.verify on the target's logits [B*n, V]."""
+        """specplug.common.verify_step on the target's logits [B*n, V] after the request
+        rules: the core chooses each request's rule (translation only here)."""
         bs, n = tree.candidates.shape
-        info = view.sampling(batch)
         parents, num_nodes = tree.parents, tree.num_nodes.cpu()
         rows = torch.full((bs,), n, dtype=torch.long)  # every request owns n rows (padding: roots)
         logits = apply_rules(logits, rules_of(view.requests(batch)), tree.candidates, parents, rows)
-        if info.all_greedy:
-            verdict = sampling.verify(tree.candidates, parents, logits.view(bs, n, -1), method="greedy",
-                                      num_nodes=num_nodes)
-        else:
-            min_p = info.min_ps.repeat_interleave(n) if info.min_ps is not None else 0.0
-            p = sampling.process_logits(
-                logits, temperature=info.temperatures.repeat_interleave(n),
-                top_k=info.top_ks.repeat_interleave(n), top_p=info.top_ps.repeat_interleave(n),
-                min_p=min_p, order="sglang")  # SGLang's own filters, in its order
-            q = tree.draft_probs if self.method == "rejection" else None  # sampled drafts: verify with q
-            if q is not None:
-                q = _vocab_width(q.to(p.device), p.shape[-1])
-            verdict = sampling.verify(
-                tree.candidates, parents, p.view(bs, n, -1), q, method=self.method, num_nodes=num_nodes,
-                generators=[self.generator] * bs, typical_epsilon=self.typical_epsilon,
-                typical_delta=self.typical_delta)
+        q = tree.draft_probs if self.method != "typical" else None  # sampled drafts: their q
+        if q is not None:
+            q = _vocab_width(q.to(logits.device), logits.shape[-1])
+        verdict = verify_step(
+            logits.view(bs, n, -1), tree.candidates, parents, num_nodes, view.request_sampling(batch),
+            draft_probs=q, generator=self.generator, typical=self.method == "typical",
+            typical_epsilon=self.typical_epsilon, typical_delta=self.typical_delta)
         self.stats.update(verdict.num_accepted, (num_nodes - 1).clamp(min=0))
         if self.stats.num_steps % 1000 < bs:
             logger.debug("specplug SGLang acceptance so far: %s", self.stats.as_dict())

@@ -11,14 +11,13 @@ probability at temperature > 0 (measured with its built-in eagle3 too), and cras
 top-k beside requests that need its logits processors. specplug verifies every request
 of every step itself: the request's rules (penalties, bad words, allowed ids, logit
 bias, min-tokens; specplug.common.request_rules, along each node's own path), then
-temperature / min-p / top-k / top-p (specplug.common.sampling.process_logits), then
-verify(method="coupled"): the target's own inverse-CDF sample at every node matched
-against the drafts (lossless, the target-only rule's acceptance); chains go through
-chains.verify_chains, the same result in a few vectorised ops. A seeded request's
-draw for the token at sequence position t is fixed by (seed, t)
-(sampling.position_uniforms), so its output is the same run to run whatever was
-drafted, batched beside it or preempted; unseeded requests draw at random. Logprobs of
-the emitted tokens are vLLM's raw logprobs, gathered at the rows the tokens came from.
+specplug.common.verify_step, which owns the rest: temperature / min-p / top-k / top-p
+in vLLM's filter order, and each request's verification rule (greedy; "coupled" draws,
+fixed by (seed, position) for a seeded request, so its output is the same run to run
+whatever was drafted, batched beside it or preempted; rejection with q for the rows
+below), with the chain fast path. This module only translates vLLM's batch into the
+core's terms (`_request_sampling`). Logprobs of the emitted tokens are vLLM's raw
+logprobs, gathered at the rows the tokens came from.
 
 A step with something specplug does not model (a custom logits processor, a thinking
 budget, logprobs of chosen token ids, a processed-logprobs mode) runs without drafts:
@@ -31,8 +30,7 @@ rules and verify at batch 64.
 
 Sampled drafts (the head's "draft_temperature"): a request that samples without a seed
 may have drafts the proposer drew from the head's q; the proposer hands q over
-(`draft_q`) and those rows are verified by rejection sampling with q instead, lossless
-for drafts drawn from q and accepting min(p, q) where the coupled draws accept p(x).
+(`draft_q`) and verify_step verifies those rows by rejection sampling with q.
 
 Stage "tree" uses the same layout with the tree's parents in place of the chain's:
 request i's rows are the distributions after each of its tree nodes (tree_verify.py).
@@ -44,10 +42,9 @@ import logging
 
 import torch
 
-from specplug.common.chains import verify_chains
 from specplug.common.request_rules import apply_rules
-from specplug.common.sampling import VerifyResult, position_uniforms, process_logits, verify
 from specplug.common.tree import chain_batch, pad_parents
+from specplug.common.verify_step import RequestSampling, verify_step
 from specplug.vllm_eagle3.request_rules import logit_bias_of, min_p_of, rules_of, undraftable_reason
 
 logger = logging.getLogger(__name__)
@@ -67,23 +64,9 @@ def _padded_output(result, candidates: torch.Tensor) -> torch.Tensor:
     return torch.cat([tokens, pad], dim=1).to(torch.int32)
 
 
-def _flat_rows(flat: torch.Tensor, num_nodes: torch.Tensor, rows: list[int]) -> torch.Tensor:
-    """The request-major rows [sum(num_nodes[rows]), V] of the requests `rows` (ascending)."""
-    starts = torch.cumsum(num_nodes, 0) - num_nodes
-    return torch.cat([flat[int(starts[b]):int(starts[b] + num_nodes[b])] for b in rows])
-
-
-def _stitched(batch: int, parts) -> VerifyResult:
-    """One VerifyResult [batch] from the results of disjoint row sets [(rows, result)]."""
-    width = max(r.accepted_nodes.shape[1] for _, r in parts)
-    accepted = torch.full((batch, width), -1, dtype=torch.long)
-    num_accepted = torch.zeros(batch, dtype=torch.long)
-    bonus = torch.zeros(batch, dtype=torch.long)
-    for rows, r in parts:
-        accepted[rows, :r.accepted_nodes.shape[1]] = r.accepted_nodes.cpu()
-        num_accepted[rows] = r.num_accepted.cpu()
-        bonus[rows] = r.bonus_token.cpu()
-    return VerifyResult(accepted, num_accepted, bonus)
+def _values(t: torch.Tensor | None, batch: int, default) -> list:
+    """A per-request setting of vLLM's SamplingMetadata as a list [B] (None: `default` each)."""
+    return [default] * batch if t is None else t[:batch].tolist()
 
 
 def _spread(t: torch.Tensor | None, width: int) -> torch.Tensor | None:
@@ -93,15 +76,6 @@ def _spread(t: torch.Tensor | None, width: int) -> torch.Tensor | None:
     out = t.new_zeros((t.shape[0] * width, *t.shape[1:]))
     out[::width] = t
     return out
-
-
-def _per_row(values: torch.Tensor | float | None, num_nodes: torch.Tensor, default: float):
-    """A per-request setting [B] repeated over each request's rows; scalars pass through."""
-    if values is None:
-        return default
-    if not isinstance(values, torch.Tensor):
-        return values
-    return values.cpu().repeat_interleave(num_nodes)
 
 
 class SpecplugChainSampler:
@@ -201,54 +175,32 @@ class SpecplugChainSampler:
         return SamplerOutput(sampled_token_ids=tokens, logprobs_tensors=logprobs)
 
     def _verify(self, candidates, parents, num_nodes, logits, sampling_metadata, params):
-        """verify() over flat logits [sum(num_nodes), vocab] (request-major): greedy, or
-        "coupled" draws; rows whose drafts were drawn from q (self.draft_q) by rejection
-        sampling with that q (Leviathan), which accepts more of such drafts."""
+        """verify_step over flat logits [sum(num_nodes), vocab] (request-major); the core
+        chooses each request's rule. Rows whose drafts were drawn from q (self.draft_q)
+        hand that q over."""
         drawn = {} if self.draft_q is None else self.draft_q(len(num_nodes), candidates, num_nodes)
-        chains = self.tree is None and not drawn  # verify_chains: verify() in a few ops
-        if sampling_metadata.all_greedy:
-            if chains:
-                return verify_chains(candidates[:, 1:], num_nodes - 1, logits, "greedy")
-            return verify(candidates, parents, logits, method="greedy", num_nodes=num_nodes)
-        p = self._target_probs(logits, num_nodes, sampling_metadata, min_p_of(params))
-        u = self._uniforms(params, candidates.shape[1] + 1)
-        if chains:
-            return verify_chains(candidates[:, 1:], num_nodes - 1, p, "coupled", u)
-        if not drawn:
-            return verify(candidates, parents, p, method="coupled", num_nodes=num_nodes, uniforms=u)
-        rows = sorted(drawn)
-        rest = [b for b in range(len(num_nodes)) if b not in drawn]
-        q = torch.cat([torch.cat([drawn[b].to(p), p.new_zeros(1, p.shape[-1])]) for b in rows])  # leaves: zeros
-        parts = [(rows, verify(candidates[rows], parents[rows], _flat_rows(p, num_nodes, rows), q,
-                               method="rejection", num_nodes=num_nodes[rows], uniforms=u[rows]))]
-        if rest:
-            parts.append((rest, verify(candidates[rest], parents[rest], _flat_rows(p, num_nodes, rest),
-                                       method="coupled", num_nodes=num_nodes[rest], uniforms=u[rest])))
-        return _stitched(len(num_nodes), parts)
+        settings = self._request_sampling(sampling_metadata, params)
+        return verify_step(logits, candidates, parents, num_nodes, settings, draft_probs=drawn or None)
 
-    def _uniforms(self, params, width: int) -> torch.Tensor:
-        """Float [B, width], column d the draw for each request's token d places past its
-        root: fixed by (seed, position) for seeded requests, random for the others."""
-        u = torch.rand(len(params), width)
-        seeded = [i for i, sp in enumerate(params) if getattr(sp, "seed", None) is not None]
-        if seeded and self.request_positions is not None:
-            rows = torch.tensor(seeded)
-            seeds = torch.tensor([params[i].seed for i in seeded])
-            u[rows] = position_uniforms(seeds, self.request_positions(len(params))[rows], width)
-        return u
-
-    @staticmethod
-    def _target_probs(logits, num_nodes, sampling_metadata, min_p=0.0):
-        """p for every row, from the request's temperature / min-p / top-k / top-p."""
-        temperature = _per_row(sampling_metadata.temperature, num_nodes, 1.0)
-        if isinstance(temperature, torch.Tensor):
-            temperature = torch.where(temperature < 1e-5, 0.0, temperature)  # vLLM's greedy rows
-        return process_logits(
-            logits, temperature,
-            _per_row(sampling_metadata.top_k, num_nodes, 0),
-            _per_row(sampling_metadata.top_p, num_nodes, 1.0),
-            _per_row(min_p, num_nodes, 0.0),
-        )
+    def _request_sampling(self, sampling_metadata, params) -> list[RequestSampling]:
+        """Each row's settings in the core's terms: temperature / top-k / top-p as vLLM's
+        sampler holds them (temperature < 1e-5: greedy), min-p and seed from its
+        SamplingParams, and the tokens it holds before this step. Without positions a
+        seeded request draws like an unseeded one."""
+        batch = len(params)
+        temperature = _values(sampling_metadata.temperature, batch, 0.0)
+        top_k = _values(sampling_metadata.top_k, batch, 0)
+        top_p = _values(sampling_metadata.top_p, batch, 1.0)
+        min_p = min_p_of(params)
+        min_p = min_p.tolist() if isinstance(min_p, torch.Tensor) else [min_p] * batch
+        seeds = [getattr(sp, "seed", None) for sp in params]
+        if self.request_positions is None:
+            seeds, positions = [None] * batch, [0] * batch
+        else:
+            positions = self.request_positions(batch).tolist()
+        return [RequestSampling(temperature=0.0 if temperature[b] < 1e-5 else temperature[b], top_k=int(top_k[b]),
+                                top_p=top_p[b], min_p=min_p[b], order="vllm", seed=seeds[b], position=int(positions[b]))
+                for b in range(batch)]
 
     def _log_once(self, reason: str) -> None:
         if reason not in self._fallback_reasons:

@@ -112,3 +112,18 @@ def test_import_stubs_answer_imports_and_refuse_calls():
     with pytest.raises(NotImplementedError):
         InterpolationMode.BICUBIC()
     assert np.asarray(0) == 0  # numpy unaffected by the stubs
+
+
+def test_murmur_hash32_is_sglangs_kernel():
+    """The hash of SGLang's seeded sampler (`sampling_seed`), as the torch op SGLang calls on
+    CPU; the expected values are SGLang 0.5.23's Triton kernel (murmur_hash32_kernel, run
+    under TRITON_INTERPRET=1) on the same inputs, a negative and a > 32-bit seed included."""
+    seed = torch.tensor([4321, -5, 2**40 + 3]).to(torch.uint64)
+    positions = torch.tensor([5, 0, 123456])
+    expected = [[911365489, 3358899008, 1196340571, 1354826075], [2189798581, 4292763232, 16346941, 2903866390],
+                [3099256277, 3935333586, 840362601, 4076699449]]
+    out = torch.ops.sgl_kernel.murmur_hash32_cpu.default(seed, positions, torch.arange(4))
+    assert out.dtype == torch.uint32 and out.to(torch.int64).tolist() == expected
+    from sglang.kernels.ops.sampling.murmur_hash import murmur_hash32
+
+    assert torch.equal(murmur_hash32(seed, positions, torch.arange(4)), out)  # SGLang's CPU dispatch reaches it

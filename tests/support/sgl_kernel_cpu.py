@@ -4,7 +4,9 @@ PyPI has no CPU build of sgl-kernel, so on a CPU without one SGLang's CPU engine
 import its speculative (and some decode) bookkeeping. These are slow, plain-torch
 implementations of exactly the ops it calls, with the contracts of
 `sglang/kernels/jit/include/sgl_kernel/speculative/eagle.cuh` and the Triton kernels
-in `sglang/kernels/ops/speculative/*.py` (which SGLang 0.5.23 ships beside them).
+in `sglang/kernels/ops/speculative/*.py` (which SGLang 0.5.23 ships beside them), and
+`murmur_hash32_cpu`, the hash of SGLang's seeded sampler (`sampling_seed`), registered as
+the torch op `torch.ops.sgl_kernel.murmur_hash32_cpu` that sampler calls on CPU.
 They exist only so the SGLang test suite runs here; specplug's product code never
 imports them. Every op mutates its output arguments in place, like the kernel.
 """
@@ -21,6 +23,7 @@ __all__ = [
     "copy_all_layer_kv_cache_cpu",
     "fill_accept_out_cache_loc_cpu",
     "fill_bonus_tokens_cpu",
+    "murmur_hash32_cpu",
     "reconstruct_indices_from_tree_mask",
     "verify_tree_greedy_cpu",
 ]
@@ -121,3 +124,51 @@ def verify_tree_greedy_cpu(predicts, accept_index, accept_token_num, candidates,
             accept_index[b, accepted] = last
         accept_token_num[b] = accepted
         predicts[last] = flat_target[last]
+
+
+_M32 = 0xFFFFFFFF
+
+
+def _rotl32(x: torch.Tensor, r: int) -> torch.Tensor:
+    return ((x << r) | (x >> (32 - r))) & _M32
+
+
+def _murmur3_mix(h: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """One 4-byte block of MurmurHash3 (x86_32) on int64 tensors holding uint32 values
+    (products wrap modulo 2**64; their low 32 bits are the uint32 product)."""
+    k = _rotl32((k * 0xCC9E2D51) & _M32, 15)
+    h = h ^ ((k * 0x1B873593) & _M32)
+    return (_rotl32(h, 13) * 5 + 0xE6546B64) & _M32
+
+
+def murmur_hash32_cpu(seed: torch.Tensor, positions: torch.Tensor, col_indices: torch.Tensor) -> torch.Tensor:
+    """SGLang's murmur_hash32 (kernels/ops/sampling/murmur_hash.py, its Triton kernel):
+    UInt32 [n, m], row i col j the hash of the blocks (low 32 bits of seed[i] (uint64),
+    its high 32 bits, positions[i] as uint32, col_indices[j] as uint32)."""
+    seed = seed.view(torch.int64) if seed.dtype == torch.uint64 else seed.long()
+    pos = positions.long() & _M32
+    col = col_indices.long() & _M32
+    h = torch.zeros_like(seed)
+    h = _murmur3_mix(h, seed & _M32)
+    h = _murmur3_mix(h, (seed >> 32) & _M32)
+    h = _murmur3_mix(h, pos)[:, None]  # [n, 1]
+    h = _murmur3_mix(h, col[None, :]) ^ 16  # [n, m]
+    h = h ^ (h >> 16)
+    h = (h * 0x85EBCA6B) & _M32
+    h = h ^ (h >> 13)
+    h = (h * 0xC2B2AE35) & _M32
+    return (h ^ (h >> 16)).to(torch.uint32)
+
+
+def _register_torch_ops() -> None:
+    """torch.ops.sgl_kernel.murmur_hash32_cpu, as the CPU sgl-kernel build defines it."""
+    if hasattr(torch.ops.sgl_kernel, "murmur_hash32_cpu"):
+        return
+    lib = torch.library.Library("sgl_kernel", "FRAGMENT")
+    lib.define("murmur_hash32_cpu(Tensor seed, Tensor positions, Tensor col_indices) -> Tensor")
+    lib.impl("murmur_hash32_cpu", murmur_hash32_cpu, "CPU")
+    _LIBRARIES.append(lib)  # a Library deregisters its ops when collected
+
+
+_LIBRARIES: list = []
+_register_torch_ops()
