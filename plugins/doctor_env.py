@@ -312,6 +312,9 @@ def patches(engine: Engine, info: dict) -> dict:
             missing = {site: why_missing(site) for site, ok in found.items() if not ok}
     except Exception as exc:  # an engine that fails to import must not break the report
         return {"status": f"could not check: {_short(exc)}", "patches": rows, "sites": sites}
+    for row in rows:  # a target that does not resolve: say which import failed, and how
+        if row["matched"] is False and row["target"] in missing:
+            row["reason"] = missing[row["target"]]
     return {"status": _patch_status(engine, rows), "patches": rows, "sites": found, "missing": missing}
 
 
