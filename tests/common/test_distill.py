@@ -6,16 +6,11 @@ import json
 import pytest
 import torch
 
+from specplug import distill as command
 from specplug.common.training import distill as D
 from specplug.common.training import train as T
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture
@@ -49,7 +44,7 @@ def test_prompt_order_is_seeded_prefix_stable_and_skips_duplicates(tiny_llama_pa
 
 def test_records_are_the_targets_greedy_replies_and_train_as_data(tiny_llama_path, data, tmp_path):
     out = tmp_path / "replies.jsonl"
-    summary = D.distill(_cfg(tiny_llama_path, data, max_prompts=2), out, engine="hf", batch_size=2)
+    summary = command.distill(_cfg(tiny_llama_path, data, max_prompts=2), out, engine="hf", batch_size=2)
     assert summary["answered_now"] == 2
     target, tok = T.load_target(str(tiny_llama_path))
     convs = T.load_conversations(str(out))  # what `specplug train --data OUT` reads
@@ -75,23 +70,23 @@ def test_rerun_answers_only_new_prompts_and_other_settings_are_refused(tiny_llam
             return [f"reply {len(asked)}"] * len(texts)
         return generate
 
-    monkeypatch.setattr(D, "make_generator", fake_generator)
+    monkeypatch.setattr(command, "make_generator", fake_generator)
     out = tmp_path / "replies.jsonl"
-    D.distill(_cfg(tiny_llama_path, data, max_prompts=2), out, chunk=1)
-    D.distill(_cfg(tiny_llama_path, data, max_prompts=5), out, chunk=2)
+    command.distill(_cfg(tiny_llama_path, data, max_prompts=2), out, chunk=1)
+    command.distill(_cfg(tiny_llama_path, data, max_prompts=5), out, chunk=2)
     assert len(asked) == 5 and len(set(asked)) == 5
     ids = [json.loads(line)["id"] for line in out.read_text().splitlines()]
     assert len(ids) == len(set(ids)) == 5
     with pytest.raises(ValueError, match=r"max_new_tokens \(file: 6, now: 7\)"):
-        D.distill(_cfg(tiny_llama_path, data, max_new_tokens=7), out)
+        command.distill(_cfg(tiny_llama_path, data, max_new_tokens=7), out)
     with out.open("a") as f:
         f.write('{"id": "cut off')  # an interrupted write: the record is dropped and asked again
-    D.distill(_cfg(tiny_llama_path, data, max_prompts=5), out)
+    command.distill(_cfg(tiny_llama_path, data, max_prompts=5), out)
     assert len(asked) == 5 and out.read_text().endswith("\n")
     stray = tmp_path / "other.jsonl"
     stray.write_text("{}\n")
     with pytest.raises(ValueError, match="not written by specplug distill"):
-        D.distill(_cfg(tiny_llama_path, data), stray)
+        command.distill(_cfg(tiny_llama_path, data), stray)
 
 
 def test_bad_settings_name_the_flag(tiny_llama_path, data):

@@ -5,6 +5,7 @@ import json
 
 import pytest
 
+from specplug import distill as command
 from specplug.common.training import distill as D
 from tests.vllm.conftest import KV_CACHE_BYTES
 from tests.support.tiny_eagle3 import tiny_target_dir
@@ -21,7 +22,7 @@ def test_vllm_and_transformers_write_the_same_greedy_replies(tmp_path):
     replies = {}
     for engine in ("vllm", "hf"):
         out = tmp_path / f"{engine}.jsonl"
-        summary = D.distill(cfg, out, engine=engine, batch_size=4, chunk=4, kv_cache_bytes=KV_CACHE_BYTES)
+        summary = command.distill(cfg, out, engine=engine, batch_size=4, chunk=4, kv_cache_bytes=KV_CACHE_BYTES)
         assert summary["answered_now"] == len(words)
         # the tiny random target writes raw bytes; vLLM's detokenizer withholds a trailing
         # incomplete UTF-8 sequence that transformers decodes as U+FFFD

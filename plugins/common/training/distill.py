@@ -1,4 +1,4 @@
-"""`specplug distill`: the target's own replies to a prompt set, as a training file.
+"""Self-distilled training data (the core of `specplug distill`): the target's own replies to a prompt set.
 
 A head drafts what the TARGET would say, so it learns best from the target's own
 replies (self-distillation, as the EAGLE and Medusa recipes do). This command answers
@@ -8,8 +8,8 @@ that `specplug train --data FILE` reads:
     {"id": "<index in --data>", "conversations": [{"from": "human", "value": ...},
                                                   {"from": "gpt", "value": <reply>}]}
 
-Engines: `vllm` (batched, continuous batching; several times faster on a CPU) or `hf`
-(transformers' generate; no engine needed). Invariants:
+The engine that writes the replies is the caller's (specplug.distill: `vllm`, batched,
+several times faster on a CPU, or `hf`, transformers' generate). Invariants:
   * the prompts and their order are a pure function of (--data, --seed): a larger
     --max-prompts extends a smaller one's list, never reorders it;
   * the file is appended batch by batch, and a rerun with the same settings answers only
@@ -20,12 +20,11 @@ Engines: `vllm` (batched, continuous batching; several times faster on a CPU) or
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import random
-import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -172,20 +171,12 @@ def generate_replies(model, tokenizer, texts: list[str], *, max_new_tokens: int,
     return [tokenizer.decode(row, skip_special_tokens=True).strip() for row in out[:, width:].tolist()]
 
 
-def make_generator(engine: str, cfg: DistillConfig, batch_size: int, kv_cache_bytes: int = 2 << 30):
-    if engine == "vllm":
-        from specplug.vllm_eagle3.generate import VllmGenerator
-        return VllmGenerator(cfg.target, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
-                             seed=cfg.seed, max_batch=batch_size,
-                             max_model_len=cfg.max_prompt_tokens + cfg.max_new_tokens + 8,
-                             kv_cache_bytes=kv_cache_bytes)
-    return hf_generator(cfg.target, cfg)
-
-
-def distill(cfg: DistillConfig, out: Path, *, engine: str = "vllm", batch_size: int = 64,
-            chunk: int = 256, kv_cache_bytes: int = 2 << 30) -> dict:
+def distill(cfg: DistillConfig, out: Path, make_generate: Callable[[], Callable[[list[str]], list[str]]], *,
+            chunk: int = 256) -> dict:
     """Answer the prompts not yet in `out`, appending `chunk` records at a time; returns a
-    summary (prompts, answered now, tokens/s)."""
+    summary (prompts, answered now, tokens/s). `make_generate()` builds the engine's
+    generate(texts) -> replies, only when there is something to answer (specplug.distill
+    chooses the engine: the core knows none)."""
     from tqdm.auto import tqdm
     from transformers import AutoTokenizer
 
@@ -199,7 +190,7 @@ def distill(cfg: DistillConfig, out: Path, *, engine: str = "vllm", batch_size: 
     logger.info("%d prompts, %d answered already, %d to go", len(items), len(items) - len(todo), len(todo))
     out.parent.mkdir(parents=True, exist_ok=True)
     meta_path(out).write_text(json.dumps(cfg.identity(), indent=2) + "\n")
-    generate = make_generator(engine, cfg, batch_size, kv_cache_bytes) if todo else None
+    generate = make_generate() if todo else None
     tokens, start = 0, time.perf_counter()
     with tqdm(total=len(todo), desc="distill", unit="prompt", dynamic_ncols=True) as bar:
         for i in range(0, len(todo), chunk):
@@ -213,37 +204,3 @@ def distill(cfg: DistillConfig, out: Path, *, engine: str = "vllm", batch_size: 
     seconds = time.perf_counter() - start
     return {"out": str(out), "prompts": len(items), "answered_now": len(todo), "reply_tokens": tokens,
             "seconds": round(seconds, 1), "tokens_per_s": round(tokens / seconds, 1) if todo else None}
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    d = DistillConfig(target="")
-    parser.add_argument("--target", required=True, help="Hugging Face causal-LM folder that writes the replies")
-    parser.add_argument("--out", required=True, help="JSONL file to write (extended on rerun: resumable)")
-    parser.add_argument("--data", default=d.data, help="'sharegpt' or a ShareGPT-style .json/.jsonl file")
-    parser.add_argument("--max-prompts", type=int, default=None, help="answer at most this many prompts")
-    parser.add_argument("--max-prompt-tokens", type=int, default=d.max_prompt_tokens,
-                        help="skip first prompts longer than this (chat-templated tokens)")
-    parser.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens, help="longest reply")
-    parser.add_argument("--temperature", type=float, default=d.temperature, help="0 = greedy replies")
-    parser.add_argument("--seed", type=int, default=d.seed, help="prompt order (and sampling when T > 0)")
-    parser.add_argument("--engine", choices=("vllm", "hf"), default="vllm",
-                        help="vllm: batched in vLLM (pip install 'specplug[vllm]'); hf: transformers' generate")
-    parser.add_argument("--batch-size", type=int, default=64, help="requests generated at once")
-    parser.add_argument("--chunk", type=int, default=256, help="prompts per appended chunk (resume granularity)")
-    parser.add_argument("--kv-cache-gib", type=float, default=2.0, help="--engine vllm: KV cache size")
-
-
-def run(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    try:
-        cfg = DistillConfig(args.target, args.data, args.max_prompts, args.max_prompt_tokens,
-                            args.max_new_tokens, args.temperature, args.seed)
-        if not (Path(args.target) / "config.json").is_file():
-            raise ValueError(f"--target {args.target}: no config.json there; pass a Hugging Face model folder")
-        summary = distill(cfg, Path(args.out), engine=args.engine, batch_size=args.batch_size, chunk=args.chunk,
-                          kv_cache_bytes=int(args.kv_cache_gib * (1 << 30)))
-    except ValueError as exc:
-        print(f"specplug distill: {exc}", file=sys.stderr)
-        return 2
-    print(json.dumps(summary))
-    return 0
