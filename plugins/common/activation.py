@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 
 FIELDS = ("active", "reason", "engine_version")
+IMPORT_FIX = "reinstall specplug (pip install --force-reinstall --no-deps specplug)"
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,29 @@ def not_registered(engine: str) -> Activation:
     """The record before register() runs (a process the engine has not loaded plugins in)."""
     return Activation(active=False, reason=f"{engine} has not run specplug's register() in this process",
                       engine_version="")
+
+
+def stay_out_reason(engine: str, version: str, check_version: Callable[[str], None],
+                    modules: Iterable[str]) -> str | None:
+    """Why an adapter must not patch `engine` at `version` (None: it may): check_version's
+    RuntimeError, else the first of `modules` that fails to import, with the fix."""
+    try:
+        check_version(version)
+    except RuntimeError as exc:
+        return str(exc)
+    error = import_error(modules)
+    return None if error is None else f"specplug's {engine} adapter could not load: {error}: {IMPORT_FIX}"
+
+
+def decide(version: str, reason: str | None, activate: Callable[[], None],
+           stay_out: Callable[[str], None]) -> Activation:
+    """Run `activate()` when there is no `reason` to stay out, else `stay_out(reason)`;
+    the record of what was decided."""
+    if reason is not None:
+        stay_out(reason)
+        return Activation(active=False, reason=reason, engine_version=version)
+    activate()
+    return Activation(active=True, reason=None, engine_version=version)
 
 
 def import_error(modules: Iterable[str]) -> str | None:

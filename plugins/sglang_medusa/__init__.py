@@ -27,7 +27,7 @@ SGLang is imported only inside register(), so `import specplug` works without it
 
 import logging
 
-from specplug.common.activation import Activation, import_error, not_registered, sites_found
+from specplug.common.activation import Activation, decide, not_registered, sites_found, stay_out_reason
 from specplug.common.patches import ACTIVE
 from specplug.sglang_medusa.patches import (  # ALGORITHMS, ALIAS_SITE: read by tests and docs
     ALGORITHMS, ALIAS_SITE, CPU_LINEAR, FORWARD_EXTEND, PATCHES, REFUSED_ALGORITHMS, REFUSED_ALIAS, REGISTER_SITE,
@@ -37,7 +37,6 @@ from specplug.sglang_medusa.patches import (  # ALGORITHMS, ALIAS_SITE: read by 
 logger = logging.getLogger(__name__)
 
 VERSION_FIX = "pip install 'specplug[sglang]'"
-IMPORT_FIX = "reinstall specplug (pip install --force-reinstall --no-deps specplug)"
 # specplug's modules register(), its hooks and the schedulers' workers need, imported
 # before anything is hooked (the workers add ~40 ms to a process that has SGLang loaded)
 ADAPTER_MODULES = (
@@ -80,13 +79,8 @@ def register() -> None:
     never raises for an unsupported SGLang or a broken specplug install (it stays out)."""
     global ACTIVATION
     installed = _installed_sglang()
-    reason = _stay_out_reason(installed)
-    if reason is not None:
-        ACTIVATION = Activation(active=False, reason=reason, engine_version=installed)
-        _stay_out(reason)
-        return
-    _activate()
-    ACTIVATION = Activation(active=True, reason=None, engine_version=installed)
+    reason = stay_out_reason("SGLang", installed, check_sglang_version, ADAPTER_MODULES)
+    ACTIVATION = decide(installed, reason, _activate, _stay_out)
 
 
 def _installed_sglang() -> str:
@@ -96,18 +90,6 @@ def _installed_sglang() -> str:
         return version("sglang")
     except PackageNotFoundError:
         return "unknown (no sglang distribution metadata)"
-
-
-def _stay_out_reason(installed: str) -> str | None:
-    """Why specplug must not hook this SGLang (None: it may): the version, or a failed import."""
-    try:
-        check_sglang_version(installed)
-    except RuntimeError as exc:
-        return str(exc)
-    error = import_error(ADAPTER_MODULES)
-    if error is None:
-        return None
-    return f"specplug's SGLang adapter could not load: {error}: {IMPORT_FIX}"
 
 
 def _activate() -> None:

