@@ -12,8 +12,10 @@ from specplug.common.drafters import Eagle3Drafter
 from specplug.common.reference import generate
 from specplug.common.sampling import SamplingConfig
 from specplug.common.tree import TreeConfig
-from tests.common.test_drafters import one_thread, random_eagle3_head, target  # noqa: F401
+from tests.common.test_drafters import random_eagle3_head, target  # noqa: F401
 from tests.common.test_reference import PROMPT, hf_greedy
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 NEW = 24
 CHAIN, TREE = TreeConfig(depth=3, topk=1, budget=3), TreeConfig(depth=3, topk=3, budget=8)

@@ -11,17 +11,11 @@ from specplug.common.heads import Eagle1Config, Eagle1Head, Eagle3Config, Eagle3
 from specplug.common.heads.eagle3 import d2t_to_t2d
 from specplug.common.tree import TreeConfig
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 DRAFT_VOCAB = 200
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models run fastest on one thread, and a shared 2-core machine would otherwise
-    oversubscribe (OpenMP spin-waits made these tests 30x slower under load)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 # -- helpers shared with test_reference.py ---------------------------------------------------

@@ -12,7 +12,9 @@ import torch.nn.functional as F
 from specplug.common.drafting.eagle import Committed, DraftCache, EagleDrafting
 from specplug.common.drafting.runner import Segment, TorchHeadRunner, masked_attention
 from specplug.common.tree import TreeConfig
-from tests.common.test_drafters import one_thread, random_eagle3_head, target, target_hidden  # noqa: F401
+from tests.common.test_drafters import random_eagle3_head, target, target_hidden  # noqa: F401
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 TEXT = torch.tensor([1, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50])
 

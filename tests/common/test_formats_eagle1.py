@@ -21,10 +21,12 @@ from specplug.common.formats import CheckpointError, convert, detect_format, loa
 from specplug.common.heads import Eagle1Head
 from specplug.common.reference import generate
 from specplug.common.tree import TreeConfig
-from tests.common.test_drafters import one_thread, random_eagle1_head, target  # noqa: F401
+from tests.common.test_drafters import random_eagle1_head, target  # noqa: F401
 from tests.common.test_formats import (H, HEAD_DIM, HEADS, INTER, KV_HEADS, TARGET, VOCAB, eagle3_state,
                                        files_tensors, speculators_config, tensor_bytes, write_head)
 from tests.common.test_reference import PROMPT, OracleEagle3Head, greedy_continuation, hf_greedy
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 L = "layers.0."
 

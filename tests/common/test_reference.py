@@ -12,7 +12,9 @@ from specplug.common.metrics import AcceptanceStats
 from specplug.common.reference import GenerationResult, generate
 from specplug.common.sampling import SamplingConfig
 from specplug.common.tree import DraftTree, TreeConfig
-from tests.common.test_drafters import one_thread, random_eagle3_head, random_medusa_heads, target  # noqa: F401
+from tests.common.test_drafters import random_eagle3_head, random_medusa_heads, target  # noqa: F401
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 PROMPT = torch.tensor([1, 40, 41, 42, 43, 44, 45, 46, 47, 48])
 NEW = 24

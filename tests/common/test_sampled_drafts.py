@@ -17,7 +17,9 @@ import torch
 
 from specplug.common import sampling as S
 from specplug.common import tree as tree_lib
-from tests.common.test_sampling_lossless import ALPHA, SAMPLES, ToyModel, chi_square_pvalue, one_thread  # noqa: F401
+from tests.common.test_sampling_lossless import ALPHA, SAMPLES, ToyModel, chi_square_pvalue  # noqa: F401
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def toy_trees(model: ToyModel, roots, offset, depth, width, token_map=None, verify_power=1.0):

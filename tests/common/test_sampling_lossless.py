@@ -40,6 +40,8 @@ from scipy import stats
 from specplug.common import sampling as S
 from specplug.common.tree import from_choices, tree_depths
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 SAMPLES = 100_000
 ALPHA = 1e-5
 MAX_INDEX = 8  # output indices the toy model covers (depth 5 + second step)
@@ -150,13 +152,6 @@ def configs():
     return out
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Big element-wise batches run faster on one thread on a shared 2-core machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.mark.parametrize("rule, shape, temperature, vocab, filtered", configs())

@@ -14,6 +14,9 @@ from specplug.common.training import loop as L
 from specplug.common.training import medusa as M
 from specplug.common.heads import Eagle3Head, MedusaHeads
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
 @pytest.fixture(scope="module", autouse=True)
 def fresh_states_cache(tiny_llama_path, tmp_path_factory):
     """Cached target states of this module's runs go to a fresh $SPECPLUG_CACHE (the tiny
@@ -23,13 +26,6 @@ def fresh_states_cache(tiny_llama_path, tmp_path_factory):
         yield
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models run faster on one thread (no OpenMP hand-offs), most of all on a busy machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 COUNT = "one two three four five six seven eight nine ten".split()

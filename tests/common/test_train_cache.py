@@ -13,7 +13,9 @@ from specplug.common.training import train as T
 from specplug.common.training import states as C
 from specplug.common.training import eagle3 as E
 from specplug.common.training import medusa as M
-from tests.common.test_train import _config, counting_data, one_thread  # noqa: F401 (fixtures)
+from tests.common.test_train import _config, counting_data  # noqa: F401 (fixtures)
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 AUX = (1, 2, 3)
 SHARD_BYTES = 64 << 10  # several shards for 20 tiny samples (~640 bytes per token)

@@ -31,6 +31,8 @@ from specplug.common.tree import DraftTree, stack_trees
 from specplug.common.verify_step import RequestSampling, choose_rule, step_uniforms, verify_step
 from tests.common.test_sampling_lossless import ALPHA, MAX_INDEX, SAMPLES, ToyModel, chi_square_pvalue, draft_step
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 POSITION = 7  # the first step's position (tokens held); the second step's is POSITION + 1
 
 
@@ -117,12 +119,6 @@ CASES = {  # name -> (shape, drafts drawn from q, seeded, flat layout, temperatu
 }
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.mark.parametrize("case", sorted(CASES))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -42,3 +43,19 @@ def stop_server(proc: subprocess.Popen) -> None:
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(30)
+
+
+@contextlib.contextmanager
+def healthy_servers(launches, limit_s: float):
+    """Runs every launch() (-> (url, process)) first, so the start-ups overlap; yields the
+    urls once all are healthy; stops every server started, whatever happened."""
+    started = []
+    try:
+        for launch in launches:
+            started.append(launch())
+        for url, proc in started:
+            wait_healthy(url, proc, limit_s)
+        yield [url for url, _ in started]
+    finally:
+        for _, proc in started:
+            stop_server(proc)

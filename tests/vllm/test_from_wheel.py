@@ -18,7 +18,7 @@ pytest.importorskip("vllm", reason="needs the vLLM environment: bash scripts/tes
 import requests  # noqa: E402
 
 from tests.support.installed import assert_installed, folder_outside_checkout, imported_paths  # noqa: E402
-from tests.support.servers import free_port, stop_server, wait_healthy  # noqa: E402
+from tests.support.servers import free_port, healthy_servers  # noqa: E402
 
 pytestmark = [
     pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(900),
@@ -59,16 +59,9 @@ def servers(outside):
     target = testbed.target_dir()
     head = testbed.head_dir("smollm2-eagle3")
     spec = json.dumps({"method": "eagle3", "model": str(head), "num_speculative_tokens": 3})
-    started = []
-    try:
-        started.append(_serve(target, outside, ["--speculative-config", spec]))
-        started.append(_serve(target, outside, []))
-        for url, proc in started:
-            wait_healthy(url, proc, STARTUP_LIMIT_S)
-        yield started[0][0], started[1][0]
-    finally:
-        for _, proc in started:
-            stop_server(proc)
+    launches = [lambda: _serve(target, outside, ["--speculative-config", spec]), lambda: _serve(target, outside, [])]
+    with healthy_servers(launches, STARTUP_LIMIT_S) as urls:
+        yield tuple(urls)
 
 
 def test_specplug_and_the_committed_head_come_from_the_installed_wheel(outside):

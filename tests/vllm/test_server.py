@@ -19,7 +19,7 @@ pytest.importorskip("vllm", reason="needs the vLLM environment: bash scripts/tes
 import requests  # noqa: E402
 
 from tests.vllm.conftest import PROMPTS, SPECPLUG_CHAIN  # noqa: E402
-from tests.support.servers import free_port, stop_server, wait_healthy  # noqa: E402
+from tests.support.servers import free_port, healthy_servers  # noqa: E402
 from tests.support.tiny_eagle3 import tiny_head_dir  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -49,16 +49,9 @@ def servers(target):
     """(url with speculation, url without), both started at once (their start-ups overlap)."""
     head = tiny_head_dir(target, specplug=SPECPLUG_CHAIN)
     spec = json.dumps({"method": "eagle3", "model": str(head), "num_speculative_tokens": 3})
-    started = []
-    try:
-        started.append(launch_server(target, ["--speculative-config", spec]))
-        started.append(launch_server(target, []))
-        for url, proc in started:
-            wait_healthy(url, proc, STARTUP_LIMIT_S)
-        yield started[0][0], started[1][0]
-    finally:
-        for _, proc in started:
-            stop_server(proc)
+    launches = [lambda: launch_server(target, ["--speculative-config", spec]), lambda: launch_server(target, [])]
+    with healthy_servers(launches, STARTUP_LIMIT_S) as urls:
+        yield tuple(urls)
 
 
 REQUESTS = [
