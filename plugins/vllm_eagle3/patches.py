@@ -36,6 +36,7 @@ REJECTION_SAMPLER = "runner.rejection_sampler"
 LINEAR_QUANT_METHOD = "linear.quant_method"
 LM_HEAD_QUANT_METHOD = "lm_head.quant_method"
 REFUSAL = "SpeculativeConfig.__post_init__"
+SHARDS = "SpeculativeConfig.__post_init__ shards"
 METADATA_VERSION = "importlib.metadata.version"
 
 
@@ -244,6 +245,10 @@ PATCHES = PatchSet("vLLM", vllm_version, [
           Expect(instance_of="vllm.model_executor.layers.quantization.base_config.QuantizeMethodBase"),
           "the same for the head's own lm_head (never the target's)", "dense_head.py",
           versions=SUPPORTED_VLLM_VERSIONS),
+    Patch(SHARDS, REFUSAL_SITE, WRAP, "specplug.vllm_eagle3.settings:checking_head_shards",
+          Expect(qualname="SpeculativeConfig.__post_init__", module="vllm.config"),
+          "refuses a specplug head whose dimensions tensor_parallel_size cannot shard, naming them and the fix",
+          "settings.py, specplug.common.parallel", versions=SUPPORTED_VLLM_VERSIONS),
     Patch(REFUSAL, REFUSAL_SITE, WRAP, refusing_post_init,
           Expect(qualname="SpeculativeConfig.__post_init__", module="vllm.config"),
           "refuses specplug heads at engine start, naming why specplug stays out and the fix", "patches.py",

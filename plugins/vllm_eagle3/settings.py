@@ -12,15 +12,19 @@ sources are specplug.common.head_section's, the same for SGLang (docs/heads.md, 
 specplug section"). vLLM maps no argument onto the schema: its num_speculative_tokens is
 checked against the tree here (check_num_speculative_tokens). What this adapter adds:
 sampled drafts (draft_temperature) and the draft gate run in stage "chain" only, adaptive
-speculation not in stage "tree".
+speculation not in stage "tree"; a head whose dimensions vLLM cannot shard over the
+engine's tensor_parallel_size is refused when vLLM builds its speculative config
+(check_head_shards, patch "SpeculativeConfig.__post_init__ shards" in patches.py).
 """
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Any, Mapping
 
 from specplug.common.head_section import ENV_ADAPTIVE, ENV_DRAFT_TEMPERATURE, ENV_GATE, ENV_TREE, HeadSettings, parse
+from specplug.common.parallel import shard_error
 
 # How the specplug proposer drafts inside vLLM: the core schema as parsed (HeadSettings).
 # In stage "chain" vLLM's num_speculative_tokens is the draft depth (the chain vLLM
@@ -124,3 +128,33 @@ def check_head_matches_target(head_dir: str, target_config: Any, vllm_method: st
             f"vLLM concatenates the aux hidden states in ascending layer order (config.json of "
             f"{head_dir}); fix: train or convert a head for this target with sorted ids"
         )
+
+
+def check_head_shards(speculative_config: Any) -> None:
+    """ValueError naming the head's dimensions that vLLM cannot shard over the engine's
+    tensor_parallel_size (specplug.common.parallel.shard_error), for specplug heads only:
+    vLLM builds the head with the target's TP size and would fail at load with an
+    AssertionError from its vocab-parallel or QKV layers."""
+    draft = getattr(speculative_config, "draft_model_config", None)
+    parallel = getattr(speculative_config, "target_parallel_config", None)
+    if draft is None or parallel is None:
+        return
+    if specplug_section(draft.hf_config, speculative_config.method) is None:
+        return
+    message = shard_error(draft.hf_config, parallel.tensor_parallel_size, f"the specplug head {draft.model}",
+                          "tensor_parallel_size")
+    if message is not None:
+        raise ValueError(message)
+
+
+def checking_head_shards(post_init):
+    """SpeculativeConfig.__post_init__ followed by check_head_shards (patch
+    "SpeculativeConfig.__post_init__ shards" in patches.py): the refusal comes while the
+    engine's configuration is built, before any worker starts or the head is loaded."""
+
+    @functools.wraps(post_init)
+    def __post_init__(self, *args, **kwargs):
+        post_init(self, *args, **kwargs)
+        check_head_shards(self)
+
+    return __post_init__

@@ -1,0 +1,66 @@
+"""A specplug head whose dimensions vLLM cannot shard over tensor_parallel_size is refused
+while vLLM builds its configuration (settings.check_head_shards, patch
+"SpeculativeConfig.__post_init__ shards"), with the numbers and the fix, never vLLM's
+AssertionError from inside the head's layers."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+
+pytest.importorskip("vllm", reason="needs the vLLM environment: bash scripts/test.sh vllm")
+
+from specplug.vllm_eagle3.demo import find_head  # noqa: E402
+from specplug.vllm_eagle3.settings import check_head_shards  # noqa: E402
+
+pytestmark = pytest.mark.vllm
+
+HEAD = find_head()
+SHAPE = {"vocab_size": 49152, "draft_vocab_size": 8192, "num_attention_heads": 9, "num_key_value_heads": 3,
+         "intermediate_size": 1536}
+REFUSAL = ("the specplug head H cannot be sharded over tensor_parallel_size 3: draft_vocab_size 8192 is not "
+           "divisible by 3. Fix: set tensor_parallel_size to 1")
+
+
+def _speculative_config(tp_size: int, section: dict | None = None, method: str = "eagle3", **shape):
+    config = {**SHAPE, **shape, **({"specplug": section} if section is not None else {})}
+    return SimpleNamespace(method=method, draft_model_config=SimpleNamespace(model="H", hf_config=SimpleNamespace(**config)),
+                           target_parallel_config=SimpleNamespace(tensor_parallel_size=tp_size))
+
+
+@pytest.mark.parametrize("method, kind", [("eagle3", "eagle3"), ("eagle", "eagle1"), ("medusa", "medusa")])
+def test_a_specplug_head_that_cannot_be_sharded_is_refused(method, kind):
+    with pytest.raises(ValueError) as error:
+        check_head_shards(_speculative_config(3, {"method": kind}, method))
+    assert str(error.value).startswith(REFUSAL)
+    assert "draft_vocab_size 8256" in str(error.value)
+
+
+def test_heads_that_shard_and_heads_without_a_section_pass():
+    check_head_shards(_speculative_config(1, {"method": "eagle3"}))
+    check_head_shards(_speculative_config(3, {"method": "eagle3"}, draft_vocab_size=8256))
+    check_head_shards(_speculative_config(3, None))  # vLLM's own EAGLE-3 path: vLLM's behaviour
+    check_head_shards(SimpleNamespace(method="ngram", draft_model_config=None, target_parallel_config=None))
+
+
+@pytest.mark.timeout(300)
+def test_vllm_refuses_the_committed_head_at_tp_3_before_any_worker_starts(monkeypatch):
+    """LLM(...) at tensor_parallel_size 3 with the multiprocess executor: the refusal comes
+    from building the engine's configuration in this process, before vLLM spawns a worker."""
+    if HEAD is None:
+        pytest.skip("no specplug EAGLE-3 head committed under heads/")
+    from vllm import LLM
+
+    from specplug.common.testbed import target_dir
+
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1|0")
+    draft_vocab = json.loads((HEAD / "config.json").read_text())["draft_vocab_size"]
+    with pytest.raises(ValueError) as error:
+        LLM(model=str(target_dir()), tensor_parallel_size=3, distributed_executor_backend="mp", enforce_eager=True,
+            speculative_config={"method": "eagle3", "model": str(HEAD), "num_speculative_tokens": 3})
+    message = str(error.value)
+    assert f"the specplug head {HEAD} cannot be sharded over tensor_parallel_size 3" in message
+    assert f"draft_vocab_size {draft_vocab} is not divisible by 3" in message
+    assert "Fix: set tensor_parallel_size to 1" in message
