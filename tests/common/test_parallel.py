@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from specplug.common import parallel
 
@@ -66,3 +67,93 @@ def test_transformers_style_configs_are_read_by_attribute():
     from types import SimpleNamespace
 
     assert parallel.shard_problems(SimpleNamespace(**EAGLE3), 3) == ["draft_vocab_size 8192 is not divisible by 3"]
+
+
+# -- the rank rule, on 3 CPU processes over gloo ------------------------------------------
+
+RANKS = 3
+
+
+def _ranks(rank: int, init_file: str, out_dir: str) -> None:
+    """One spawned rank: joins the gloo group, runs every job of JOBS in order, writes what
+    each returned (or its RuntimeError) to out_dir/<job>.<rank>."""
+    import os
+
+    import torch.distributed as dist
+
+    os.environ["SPECPLUG_CHECK_RANKS"] = "1"
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=RANKS)
+    try:
+        for name, job in JOBS.items():
+            try:
+                result = repr(job(rank))
+            except RuntimeError as exc:
+                result = f"RuntimeError: {exc}"
+            Path(out_dir, f"{name}.{rank}").write_text(result)
+    finally:
+        dist.destroy_process_group()
+
+
+def _decide(rank: int):
+    import torch.distributed as dist
+
+    mask = parallel.decide_once(torch.tensor([rank == 1, rank != 1, True]))
+    seconds = parallel.decide_once(0.25 * (rank + 1))
+    depth = parallel.decide_once({"depth": rank + 2, "keep": (rank,)})
+    pair = dist.new_group([1, 2])  # every rank creates it; ranks 1 and 2 decide with it
+    in_pair = parallel.engine_group(pair).decide_once(10 * rank) if rank in (1, 2) else None
+    return mask.tolist(), seconds, depth, in_pair
+
+
+def _same(rank: int):
+    parallel.check_same_on_ranks(7, {"depth": 3, "tokens": torch.arange(4), "keep": [True, False]})
+    return "ok"
+
+
+def _differ(rank: int):  # negative control: rank 2 decided alone
+    parallel.check_same_on_ranks(7, {"depth": 3 if rank != 2 else 2, "tokens": torch.arange(4)})
+    return "ok"
+
+
+JOBS = {"decide": _decide, "same": _same, "differ": _differ}
+
+
+@pytest.fixture(scope="module")
+def seen(tmp_path_factory):
+    """{job: [what rank 0, 1, 2 saw]}: one spawn of RANKS processes runs every job."""
+    import torch.multiprocessing as mp
+
+    out = tmp_path_factory.mktemp("ranks")
+    mp.spawn(_ranks, args=(str(out / "init"), str(out)), nprocs=RANKS, join=True)
+    return {job: [(out / f"{job}.{r}").read_text() for r in range(RANKS)] for job in JOBS}
+
+
+@pytest.mark.timeout(180)
+def test_decide_once_gives_every_rank_rank_0s_values(seen):
+    rank0 = ([False, True, True], 0.25, {"depth": 2, "keep": (0,)})
+    assert seen["decide"][0] == repr((*rank0, None))
+    assert seen["decide"][1] == seen["decide"][2] == repr((*rank0, 10))  # the pair's rank 0 is global rank 1
+
+
+@pytest.mark.timeout(180)
+def test_the_rank_check_passes_equal_decisions_and_names_the_ranks_that_differ(seen):
+    assert seen["same"] == ["'ok'"] * RANKS
+    for message in seen["differ"]:  # every rank raises, none hangs
+        assert message.startswith("RuntimeError: specplug rank check (SPECPLUG_CHECK_RANKS=1): the decisions "
+                                  "of step 7 differ between the tensor-parallel ranks: ranks [2] differ from rank 0")
+
+
+def test_without_a_group_decisions_stay_local_and_the_check_is_a_no_op():
+    values = torch.tensor([1.0, 2.0])
+    assert parallel.decide_once(values) is values and parallel.decide_once(3) == 3
+    assert parallel.ALONE.decide_once("x") == "x"
+    parallel.check_same_on_ranks(1, {"a": 1}, environ={"SPECPLUG_CHECK_RANKS": "1"})
+    assert parallel.checking_ranks({"SPECPLUG_CHECK_RANKS": "1"}) and not parallel.checking_ranks({})
+
+
+def test_the_digest_sees_every_decision():
+    base = {"depth": 3, "tokens": torch.arange(4), "keep": [True, False]}
+    assert parallel.decisions_digest(base) == parallel.decisions_digest(dict(reversed(base.items())))
+    for other in ({**base, "depth": 2}, {**base, "tokens": torch.arange(4).int()}, {**base, "keep": [True, True]},
+                  {**base, "tokens": torch.arange(5)}):
+        assert parallel.decisions_digest(other) != parallel.decisions_digest(base)
