@@ -12,6 +12,8 @@ what the proposer sees into the controller's measurements:
 - per-depth acceptance: fed by the chain sampler's verify results.
 
 Any choice is lossless: vLLM verifies exactly the drafts it is handed, whatever their number.
+Under tensor parallelism every rank builds a controller and times its own steps; each
+depth is rank 0's choice, broadcast over vLLM's TP group (ranks.tp_ranks).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import torch
 
 from specplug.common.policy.adaptive import AdaptiveController as _Controller
 from specplug.common.policy.adaptive import AdaptiveSettings, chain_options
+from specplug.common.parallel import RankGroup
 
 __all__ = ["AdaptiveController", "AdaptiveSettings", "StepClock", "chain_options"]
 
@@ -48,11 +51,15 @@ class AdaptiveController(_Controller):
     Call order per engine step: `verify_timed(tokens, seconds)` with the StepClock's lap
     on entering propose, `choose_depth(batch)`, `draft_timed(batch, depth, seconds)` after
     drafting; `record_verify(num_draft_tokens, num_accepted)` from the sampler.
-    `costs_override` (a StepCosts) pins the decision (tests).
+    `costs_override` (a StepCosts) pins the decision (tests). `ranks`: the group whose
+    rank 0 chooses (None: vLLM's TP group, ranks.tp_ranks).
     """
 
-    def __init__(self, max_depth: int, settings: AdaptiveSettings = AdaptiveSettings()):
-        super().__init__(chain_options(max_depth), settings)
+    def __init__(self, max_depth: int, settings: AdaptiveSettings = AdaptiveSettings(),
+                 ranks: RankGroup | None = None):
+        from specplug.vllm_eagle3.ranks import tp_ranks
+
+        super().__init__(chain_options(max_depth), settings, ranks=tp_ranks() if ranks is None else ranks)
 
     @property
     def depth_counts(self) -> dict[int, int]:

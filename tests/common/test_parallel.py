@@ -115,7 +115,29 @@ def _differ(rank: int):  # negative control: rank 2 decided alone
     return "ok"
 
 
-JOBS = {"decide": _decide, "same": _same, "differ": _differ}
+def _policy(rank: int):
+    """Each rank's own timings: rank 0's say drafting is free, the others' that it never
+    pays. Alone, the ranks choose differently (the negative control); with the group, every
+    rank runs rank 0's choice."""
+    from specplug.common.policy.adaptive import AdaptiveController, chain_options
+    from specplug.common.policy.cost import Curve, StepCosts
+    from specplug.common.policy.payoff import DraftGate
+
+    free = rank == 0
+    costs = StepCosts(verify=Curve([(1, 0.01), (64, 0.01 if free else 0.64)]), draft=Curve([(1, 0.0 if free else 0.05)]))
+    chosen = []
+    for ranks in (parallel.ALONE, parallel.engine_group(None)):
+        controller = AdaptiveController(chain_options(3), ranks=ranks)
+        controller.costs_override = costs
+        gate = DraftGate(ranks=ranks)
+        gate.step_timed(2, 0.01)
+        gate.step_timed(8, 0.01 if free else 0.1)
+        option = controller.choose(1)
+        chosen.append((None if option is None else option.depth, gate.choose(torch.tensor([1.0, 0.5]), 2, 3).tolist()))
+    return chosen
+
+
+JOBS = {"decide": _decide, "same": _same, "differ": _differ, "policy": _policy}
 
 
 @pytest.fixture(scope="module")
@@ -141,6 +163,14 @@ def test_the_rank_check_passes_equal_decisions_and_names_the_ranks_that_differ(s
     for message in seen["differ"]:  # every rank raises, none hangs
         assert message.startswith("RuntimeError: specplug rank check (SPECPLUG_CHECK_RANKS=1): the decisions "
                                   "of step 7 differ between the tensor-parallel ranks: ranks [2] differ from rank 0")
+
+
+@pytest.mark.timeout(180)
+def test_adaptive_depth_and_the_gate_keep_rank_0s_choice(seen):
+    rank0 = (3, [True, True])
+    assert seen["policy"][0] == repr([rank0, rank0])
+    for other in seen["policy"][1:]:
+        assert other == repr([(None, [False, False]), rank0])  # alone they would differ
 
 
 def test_without_a_group_decisions_stay_local_and_the_check_is_a_no_op():

@@ -64,3 +64,13 @@ def test_vllm_refuses_the_committed_head_at_tp_3_before_any_worker_starts(monkey
     assert f"the specplug head {HEAD} cannot be sharded over tensor_parallel_size 3" in message
     assert f"draft_vocab_size {draft_vocab} is not divisible by 3" in message
     assert "Fix: set tensor_parallel_size to 1" in message
+
+
+def test_one_rank_decides_alone():
+    """Outside an engine, or in an engine of one TP rank, the adaptive controller takes its
+    own decisions (ranks.tp_ranks is ALONE); tests/common/test_parallel.py runs the group case."""
+    from specplug.common.parallel import ALONE
+    from specplug.vllm_eagle3.adaptive import AdaptiveController
+    from specplug.vllm_eagle3.ranks import tp_ranks
+
+    assert tp_ranks() is ALONE and AdaptiveController(3).ranks is ALONE

@@ -21,6 +21,10 @@ pay, which at a large batch means after one or two probes. A batch larger than
 `x_max` runs plain (that measures its base cost). Every `refresh_every`-th step at a
 batch re-times the next larger option when the model rates it close to the chosen one
 (`refresh_band`), so one unlucky timing cannot lock an option out.
+
+Under tensor parallelism every rank measures its own wall clock, so the choice is taken
+from rank 0's measurements and broadcast (`ranks`, specplug.common.parallel's rank rule):
+every rank runs the option rank 0 chose.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from typing import Mapping, Sequence
 
 import torch
 
+from specplug.common.parallel import ALONE, RankGroup
 from specplug.common.policy.cost import (
     AcceptanceTracker, AdaptiveConfig, Curve, SpecOption, StepCosts, choose, modelled_speedup,
     tree_depth_alphas,
@@ -151,10 +156,12 @@ class AdaptiveController:
     `costs_override` (a StepCosts) replaces the measured costs and turns exploration
     off: it pins the decision (tests, or cost curves measured offline).
     `choice_counts` counts steps per chosen option's `nodes` (0 = no speculation).
+    `ranks`: the engine's tensor-parallel group; each choice is rank 0's (default ALONE:
+    this process decides alone).
     """
 
     def __init__(self, options: Sequence[SpecOption], settings: AdaptiveSettings = AdaptiveSettings(),
-                 config: AdaptiveConfig | None = None):
+                 config: AdaptiveConfig | None = None, *, ranks: RankGroup = ALONE):
         if not options:
             raise ValueError("AdaptiveController needs at least one SpecOption to choose from")
         self.options = tuple(sorted(options, key=lambda o: (o.nodes, o.depth)))
@@ -165,6 +172,7 @@ class AdaptiveController:
         self.verify_times = Timings(settings.window)
         self.draft_times = Timings(settings.window)
         self._steps_at: Counter = Counter()
+        self.ranks = ranks
 
     # -- measurement -------------------------------------------------------------------
     def verify_timed(self, tokens: int, seconds: float) -> None:
@@ -195,7 +203,7 @@ class AdaptiveController:
         if batch < 1:
             raise ValueError(f"batch must be >= 1, got {batch}")
         self._steps_at[batch] += 1
-        option = self._decide(batch)
+        option = self._agreed(self._decide(batch))
         self.choice_counts[0 if option is None else option.nodes] += 1
         if sum(self.choice_counts.values()) % self.settings.log_every == 0:
             logger.info("specplug adaptive: steps per chosen option (draft nodes, 0 = none): %s",
@@ -217,6 +225,13 @@ class AdaptiveController:
         if option is None or option is probe:
             return option
         return self._refresh(batch, option, costs) or option
+
+    def _agreed(self, option: SpecOption | None) -> SpecOption | None:
+        """The option rank 0 of `ranks` chose (every rank timed its own steps)."""
+        if self.ranks.alone:
+            return option
+        index = self.ranks.decide_once(-1 if option is None else self.options.index(option))
+        return None if index < 0 else self.options[index]
 
     def _refresh(self, batch: int, option: SpecOption, costs: StepCosts) -> SpecOption | None:
         """Every refresh_every-th step at a batch: the next larger option, if rated close."""

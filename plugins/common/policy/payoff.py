@@ -20,7 +20,9 @@ E is the drafter's estimate scaled by how it has turned out so far (`verified`):
 measured accepted / predicted over the drafted requests, shrunk towards 1.
 
 Invariant: the gate only removes drafts; whatever it hands the engine is verified as
-before, so the output is unchanged (lossless by construction).
+before, so the output is unchanged (lossless by construction). Under tensor parallelism
+T is each rank's own wall clock, so the keep mask is rank 0's, broadcast (`ranks`,
+specplug.common.parallel's rank rule).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
+from specplug.common.parallel import ALONE, RankGroup
 from specplug.common.policy.adaptive import Timings
 from specplug.common.policy.cost import Curve
 
@@ -65,10 +68,12 @@ def best_prefix(expected: torch.Tensor, batch: int, drafts: int, step_time, marg
 
 
 class DraftGate:
-    """Which requests' drafts a step hands the engine (see module doc)."""
+    """Which requests' drafts a step hands the engine (see module doc). `ranks`: the
+    engine's tensor-parallel group; every rank keeps rank 0's choice (default ALONE)."""
 
-    def __init__(self, settings: GateSettings = GateSettings()):
+    def __init__(self, settings: GateSettings = GateSettings(), *, ranks: RankGroup = ALONE):
         self.settings = settings
+        self.ranks = ranks
         self.step_times = Timings(settings.window)
         self._accepted = 0.0   # decayed accepted drafts of gated-in requests
         self._predicted = 0.0  # ... and what the drafter's E predicted for them
@@ -105,6 +110,7 @@ class DraftGate:
             scaled = torch.where(expected.isinf(), expected, expected * self.scale)
             m = best_prefix(scaled.clamp(max=drafts), batch, drafts, _optimistic(curve), self.settings.margin)
             keep[torch.sort(scaled, descending=True, stable=True).indices[:m]] = True
+        keep = self.ranks.decide_once(keep)
         self._count(keep)
         return keep
 
