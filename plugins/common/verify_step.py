@@ -7,35 +7,44 @@ rules, specplug.common.request_rules), the trees, each request's sampling settin
 :func:`verify_step` turns the logits into the target's p (sampling.process_logits, in the
 engine's filter order), chooses the rule of every request and runs it through
 sampling.verify (and its CUDA dispatch) or, when every tree is a chain,
-chains.verify_chains (the same result in a few vectorised ops).
+chains.verify_chains (the same result in a few vectorised ops); the "block" rule runs
+block_verify.verify_block (torch only, no CUDA kernel).
 
 The rule, per request (:func:`choose_rule`):
 
-=============================  ============  ============================================
-request                        rule          randomness
-=============================  ============  ============================================
-temperature 0                  "greedy"      none: the argmax (first maximal index)
-T > 0, ``typical=True``        "typical"     LOSSY Medusa-2 typical acceptance, opt-in
-T > 0, seed                    "coupled"     position_uniforms(seed, position); q unused
-T > 0, no seed, drafts from q  "rejection"   with q (Leviathan chains, SpecInfer trees)
-T > 0, no seed, no q           "coupled"     fresh uniforms from ``generator``
-=============================  ============  ============================================
+=====================================  ============  ====================================
+request                                rule          randomness
+=====================================  ============  ====================================
+temperature 0                          "greedy"      none: the argmax (first maximal index)
+T > 0, ``typical=True``                "typical"     LOSSY Medusa-2 typical acceptance
+T > 0, seed                            "coupled"     position_uniforms(seed, position);
+                                                     q unused
+T > 0, no seed, drafts from q, chain   "block"       ``generator``; block verification
+                                                     (Sun et al. 2024) with q
+T > 0, no seed, drafts from q, tree    "rejection"   ``generator``; SpecInfer with q
+T > 0, no seed, no q                   "coupled"     ``generator``
+=====================================  ============  ====================================
+
+A request's tree is a chain when every real node j's parent is j - 1 (a lone root
+included). Block verification accepts at least as many drafts in expectation as
+token-wise rejection with q (Leviathan) on the same chain, and is lossless too.
 
 Invariant: request b's result is exactly ``sampling.verify(method=rule_b)`` on request b
-alone, with b's row of uniforms (tests/common/test_verify_step.py). A seeded request's
-row is a function of (seed, position) only, so its tokens depend neither on its batch
+alone (``block_verify.verify_block`` for "block"), with b's row of uniforms
+(tests/common/test_verify_step.py). A seeded request's row is a function of (seed,
+position) only, so its tokens depend neither on its batch
 companions nor on what was drafted: the coupled rule emits the target's own inverse-CDF
 draw at every position and only compares the drafts with it. That is also why a seeded
 request whose drafts were drawn from q is verified "coupled" rather than with q: still
 lossless (the drafts never change which token is emitted), and reproducible, where
-rejection with q would make its text depend on the draft draws; it accepts p(x) of a
-draft x where rejection with q accepts min(1, p(x) / q(x)).
+block or rejection verification with q would make its text depend on the draft draws; it
+accepts p(x) of a draft x where rejection with q accepts min(1, p(x) / q(x)).
 
 Batching: the greedy rows of a batch with sampled requests ride in the coupled pass with
 a one-hot p (process_logits gives temperature-0 rows the one-hot of the first maximal
 logit), which is exactly argmax verification; so a step runs one verify call per rule
-group present (coupled, rejection, typical), at most three, and only an all-greedy step
-skips process_logits.
+group present (coupled, block, rejection, typical), at most four, and only an all-greedy
+step skips process_logits.
 """
 
 from __future__ import annotations
@@ -45,14 +54,15 @@ from dataclasses import dataclass
 
 import torch
 
+from specplug.common.block_verify import verify_block
 from specplug.common.chains import verify_chains
 from specplug.common.sampling import (
     ORDERS, TYPICAL_DELTA, TYPICAL_EPSILON, SamplingConfig, VerifyResult, position_uniforms, process_logits, verify,
 )
 
-__all__ = ["RULES", "RequestSampling", "choose_rule", "step_uniforms", "verify_step"]
+__all__ = ["RULES", "RequestSampling", "chain_rows", "choose_rule", "step_uniforms", "verify_step"]
 
-RULES = ("greedy", "coupled", "rejection", "typical")
+RULES = ("greedy", "coupled", "block", "rejection", "typical")
 _INT64 = 1 << 64
 
 
@@ -91,14 +101,16 @@ class RequestSampling(SamplingConfig):
         return choose_rule(self)
 
 
-def choose_rule(params: SamplingConfig, drawn_from_q: bool = False, typical: bool = False) -> str:
-    """The verification rule of one request (the module docstring's table)."""
+def choose_rule(params: SamplingConfig, drawn_from_q: bool = False, typical: bool = False,
+                chain: bool = False) -> str:
+    """The verification rule of one request (the module docstring's table); ``chain``:
+    the request's tree is a chain."""
     if params.temperature == 0.0:
         return "greedy"
     if typical:
         return "typical"
     if drawn_from_q and params.seed is None:
-        return "rejection"
+        return "block" if chain else "rejection"
     return "coupled"
 
 
@@ -152,8 +164,9 @@ def verify_step(
                  else torch.as_tensor(num_nodes).long().cpu())
     flat = logits.dim() == 2
     drawn = _drawn_rows(draft_probs, bsz)
-    rules = [choose_rule(p, b in drawn, typical) for b, p in enumerate(params)]
-    chains = flat and _all_chains(parents, num_nodes)
+    chain = chain_rows(parents, num_nodes).tolist()
+    rules = [choose_rule(p, b in drawn, typical, chain[b]) for b, p in enumerate(params)]
+    chains = flat and all(chain)
     if all(r == "greedy" for r in rules):
         if chains:
             return verify_chains(candidates[:, 1:], num_nodes - 1, logits, "greedy")
@@ -161,16 +174,18 @@ def verify_step(
     p = _target_probs(logits, params, num_nodes, flat)
     step = _Step(candidates, parents, num_nodes, p, step_uniforms(params, width + 1, generator), flat)
     parts = []
-    for method, members in (("coupled", ("greedy", "coupled")), ("rejection", ("rejection",)),
-                            ("typical", ("typical",))):
+    for method, members in (("coupled", ("greedy", "coupled")), ("block", ("block",)),
+                            ("rejection", ("rejection",)), ("typical", ("typical",))):
         rows = [b for b, r in enumerate(rules) if r in members]
         if not rows:
             continue
         sub = step.rows(rows)
-        if method == "coupled" and chains:
+        q = _draft_rows(draft_probs, rows, step) if method in ("block", "rejection") else None
+        if method == "block":
+            result = verify_block(sub.candidates[:, 1:], sub.num_nodes - 1, sub.p, q, sub.uniforms, validate=validate)
+        elif method == "coupled" and chains:
             result = verify_chains(sub.candidates[:, 1:], sub.num_nodes - 1, sub.p, "coupled", sub.uniforms)
         else:
-            q = _draft_rows(draft_probs, rows, step) if method == "rejection" else None
             result = verify(sub.candidates, sub.parents, sub.p, q, method=method, num_nodes=sub.num_nodes,
                             uniforms=sub.uniforms, typical_epsilon=typical_epsilon, typical_delta=typical_delta,
                             validate=validate)
@@ -229,11 +244,12 @@ def _draft_rows(draft_probs, rows: list[int], step: _Step) -> torch.Tensor:
     return torch.cat(parts) if step.flat else torch.stack(parts)
 
 
-def _all_chains(parents: torch.Tensor, num_nodes: torch.Tensor) -> bool:
-    """Whether every request's real nodes form a chain (node j's parent is j - 1)."""
+def chain_rows(parents: torch.Tensor, num_nodes: torch.Tensor) -> torch.Tensor:
+    """Bool [B]: whether request b's real nodes form a chain (node j's parent is j - 1);
+    parents Long [B, N], num_nodes Long [B]."""
     ids = torch.arange(parents.shape[1], device=parents.device)
-    real = ids < num_nodes.to(parents.device)[:, None]
-    return bool(((parents == ids - 1) | ~real).all())
+    real = ids < num_nodes.to(parents.device)[:, None]  # [B, N]
+    return ((parents == ids - 1) | ~real).all(1)
 
 
 def _target_probs(logits: torch.Tensor, params: Sequence[RequestSampling], num_nodes: torch.Tensor,

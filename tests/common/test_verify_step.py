@@ -4,18 +4,20 @@ Distribution (the harness of test_sampling_lossless: its toy model, draft_step a
 chi-square): verify_step gets the toy model's LOGITS and each request's settings, and the
 first emitted token and the first two jointly must follow the target P (after
 temperature / top-k / top-p) for every rule: coupled with (seed, position) draws (each of
-the B = 100,000 requests its own seed), coupled with draws from a generator, rejection
-with q (drafts drawn i.i.d. from q), and a seeded request whose drafts were drawn from q
-(coupled, q unused); greedy requests must emit the argmax path exactly. Sample size
-100,000 per configuration; chi-square (cells with expected count < 5 merged) fails at
-p < ALPHA = 1e-5; 18 such checks on correct code fail somewhere with chance < 2e-4.
+the B = 100,000 requests its own seed), coupled with draws from a generator, block
+verification (chains drafted from q), rejection with q (trees, children drawn i.i.d. from
+q), and a seeded request whose drafts were drawn from q (coupled, q unused); greedy
+requests must emit the argmax path exactly. Sample size 100,000 per configuration;
+chi-square (cells with expected count < 5 merged) fails at p < ALPHA = 1e-5; 20 such
+checks on correct code fail somewhere with chance < 2e-4.
 Negative controls: the same checks FAIL when the seeded draws ignore the depth (one draw
 for both tokens of a step) and when rejection with q skips the residual.
 
 Rule choice: in a mixed batch (greedy, seeded, unseeded, drafts from q, trees and
 chains, flat and padded layouts) every request's result equals sampling.verify with its
-rule on that request alone; a seeded request's result does not depend on its batch
-companions or on the generator.
+rule on that request alone (block_verify.verify_block for an unseeded chain drafted from
+q); a seeded request's result does not depend on its batch companions or on the
+generator.
 """
 
 import dataclasses
@@ -27,7 +29,8 @@ import torch
 
 from specplug.common import sampling as S
 from specplug.common import verify_step as V
-from specplug.common.tree import DraftTree, stack_trees
+from specplug.common.block_verify import verify_block
+from specplug.common.tree import DraftTree, is_chain, stack_trees
 from specplug.common.verify_step import RequestSampling, choose_rule, step_uniforms, verify_step
 from tests.common.test_sampling_lossless import ALPHA, MAX_INDEX, SAMPLES, ToyModel, chi_square_pvalue, draft_step
 
@@ -43,7 +46,10 @@ def test_rule_table():
     greedy, sampled, seeded = RequestSampling(temperature=0.0), RequestSampling(0.8), RequestSampling(0.8, seed=3)
     assert [choose_rule(greedy, q) for q in (False, True)] == ["greedy", "greedy"]
     assert [choose_rule(sampled, q) for q in (False, True)] == ["coupled", "rejection"]
-    assert [choose_rule(seeded, q) for q in (False, True)] == ["coupled", "coupled"]
+    assert [choose_rule(sampled, q, chain=True) for q in (False, True)] == ["coupled", "block"]
+    assert [choose_rule(seeded, q, chain=c) for q in (False, True) for c in (False, True)] == ["coupled"] * 4
+    assert choose_rule(greedy, True, chain=True) == "greedy"
+    assert choose_rule(sampled, True, typical=True, chain=True) == "typical"
     assert {choose_rule(p, q, typical=True) for p in (sampled, seeded) for q in (False, True)} == {"typical"}
     assert choose_rule(greedy, True, typical=True) == "greedy"
     assert seeded.method == "coupled" and greedy.method == "greedy"
@@ -112,7 +118,8 @@ CASES = {  # name -> (shape, drafts drawn from q, seeded, flat layout, temperatu
     "coupled-seeded-dup_sibling": ("dup_sibling", False, True, False, 1.5, False),
     "coupled-unseeded-chain2-flat": ("chain2", False, False, True, 1.0, True),
     "coupled-unseeded-binary": ("binary", False, False, False, 0.5, False),
-    "rejection-q-chain3-flat": ("chain3", True, False, True, 1.0, False),
+    "block-q-chain3-flat": ("chain3", True, False, True, 1.0, False),
+    "block-q-chain2": ("chain2", True, False, False, 0.8, True),
     "rejection-q-binary": ("binary", True, False, False, 0.8, True),
     "seeded-with-q-binary": ("binary", True, True, False, 1.0, False),
     "seeded-with-q-chain2-flat": ("chain2", True, True, True, 0.8, True),
@@ -196,16 +203,17 @@ def _rows(flat: torch.Tensor, num_nodes: torch.Tensor, b: int) -> torch.Tensor:
 
 
 def _alone(batch, logits, params, q, uniforms, b):
-    """Request b verified alone by sampling.verify with the rule the table gives it."""
-    rule = choose_rule(params[b], b in q)
+    """Request b verified alone with the rule the table gives it: sampling.verify, or
+    verify_block for "block"."""
     rows, sp = _rows(logits, batch.num_nodes, b), params[b]
     cand, parents, n = batch.candidates[b:b + 1], batch.parents[b:b + 1], batch.num_nodes[b:b + 1]
+    rule = choose_rule(sp, b in q, chain=is_chain(parents[0, :int(n)]))
     if rule == "greedy":
         return S.verify(cand, parents, rows, method="greedy", num_nodes=n)
     p = S.process_logits(rows, sp.temperature, sp.top_k, sp.top_p, sp.min_p, order=sp.order)
-    q_b = None
-    if rule == "rejection":
-        q_b = torch.cat([q[b], torch.zeros(1, VOCAB)])
+    q_b = torch.cat([q[b], torch.zeros(1, VOCAB)]) if rule in ("block", "rejection") else None
+    if rule == "block":
+        return verify_block(cand[:, 1:int(n)], n - 1, p, q_b, uniforms[b:b + 1])
     return S.verify(cand, parents, p, q_b, method=rule, num_nodes=n, uniforms=uniforms[b:b + 1])
 
 
@@ -257,11 +265,35 @@ def test_chains_take_the_chain_fast_path(monkeypatch):
     assert calls == ["coupled", "greedy"]  # the trees went through sampling.verify
 
 
-def test_seeded_requests_do_not_depend_on_their_companions():
+def test_unseeded_chains_drafted_from_q_take_block_verification(monkeypatch):
+    """Chains (a lone root too) of unseeded sampled requests with q go to verify_block, in
+    one call; trees with q stay with sampling.verify's rejection; seeded rows stay coupled."""
+    block_rows, rejection_rows, real_block, real_verify = [], [], V.verify_block, V.verify
+    monkeypatch.setattr(V, "verify_block", lambda *a, **k: block_rows.append(a[0].shape[0]) or real_block(*a, **k))
+    monkeypatch.setattr(V, "verify", lambda *a, method, **k: (rejection_rows.append(a[0].shape[0])
+                                                               if method == "rejection" else None)
+                        or real_verify(*a, method=method, **k))
+    trees = [DraftTree(torch.tensor([1, 2, 3]), torch.tensor([-1, 0, 1])),  # unseeded chain with q: block
+             DraftTree(torch.tensor([1, 2, 3]), torch.tensor([-1, 0, 0])),  # unseeded tree with q: rejection
+             DraftTree(torch.tensor([4]), torch.tensor([-1])),  # unseeded lone root with q: block
+             DraftTree(torch.tensor([1, 5, 6, 7]), torch.tensor([-1, 0, 1, 2])),  # seeded chain with q: coupled
+             DraftTree(torch.tensor([1, 5]), torch.tensor([-1, 0]))]  # unseeded chain, no q: coupled
+    batch = stack_trees(trees)
+    params = [RequestSampling(0.9), RequestSampling(0.9), RequestSampling(1.0), RequestSampling(0.9, seed=3),
+              RequestSampling(0.9)]
+    logits = torch.randn(int(batch.num_nodes.sum()), VOCAB, generator=torch.Generator().manual_seed(0))
+    q = {b: torch.softmax(torch.randn(int(batch.num_nodes[b]) - 1, VOCAB), -1) for b in range(4)}
+    verify_step(logits, batch.candidates, batch.parents, batch.num_nodes, params, draft_probs=q)
+    assert block_rows == [2] and rejection_rows == [1]
+
+
+@pytest.mark.parametrize("chains", [False, True])
+def test_seeded_requests_do_not_depend_on_their_companions(chains):
     """A seeded request's result alone equals its result in any batch, whatever the
-    companions (greedy, unseeded, drafts from q, other seeds) and the generator's state."""
+    companions (greedy, unseeded, drafts from q: block and rejection, other seeds) and
+    the generator's state."""
     rng = random.Random(0)
-    batch, logits, params, q = _mixed_batch(rng, chains=False)
+    batch, logits, params, q = _mixed_batch(rng, chains=chains)
     seeded = [b for b, p in enumerate(params) if p.seed is not None]
     full = verify_step(logits, batch.candidates, batch.parents, batch.num_nodes, params, draft_probs=q,
                        generator=torch.Generator().manual_seed(1))

@@ -2,7 +2,8 @@
 `seed`) gives the same text alone and inside a batch of 8 mixed requests (greedy, other
 seeds, unseeded), each run twice, in stage A chains, stage "tree" trees and chains whose
 unseeded requests' drafts are drawn from the head's q (so the batch mixes all three
-rules: greedy, coupled, rejection with q). Another seed gives other text (control)."""
+rules: greedy, coupled, block verification with q). Another seed gives other text
+(control)."""
 
 from __future__ import annotations
 
@@ -48,14 +49,15 @@ def _seeded_text(llm, place: int | None):
 @pytest.fixture
 def rules_seen(monkeypatch):
     """The rules verify_step chose for the requests of every step (engines run in-process)."""
-    from specplug.common.verify_step import choose_rule
+    from specplug.common.verify_step import chain_rows, choose_rule
     from specplug.vllm_eagle3 import sampler
 
     seen, real = set(), sampler.verify_step
 
     def recording(logits, candidates, parents, num_nodes, params, **kw):
         drawn = kw.get("draft_probs") or {}
-        seen.update(choose_rule(p, b in drawn) for b, p in enumerate(params))
+        chain = chain_rows(parents, num_nodes).tolist()
+        seen.update(choose_rule(p, b in drawn, chain=chain[b]) for b, p in enumerate(params))
         return real(logits, candidates, parents, num_nodes, params, **kw)
 
     monkeypatch.setattr(sampler, "verify_step", recording)
@@ -72,4 +74,4 @@ def test_seeded_request_is_the_same_alone_and_in_a_mixed_batch(request, spec_eng
     other = run(spec_engine, [PROMPTS[2]], [params(**{**SEEDED, "seed": 99})])[0][0]
     assert other != texts[0]
     drafts_from_q = request.node.callspec.params["spec_engine"] == "chain-drafts-from-q"
-    assert rules_seen == {"greedy", "coupled"} | ({"rejection"} if drafts_from_q else set())
+    assert rules_seen == {"greedy", "coupled"} | ({"block"} if drafts_from_q else set())
