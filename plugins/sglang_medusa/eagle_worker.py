@@ -15,14 +15,12 @@ The states are what SGLang captures in CaptureHiddenMode.FULL: for an EAGLE-3 he
 aux layers' inputs (`capture_aux_states`), for an EAGLE-1 head the target's final hidden
 state (after its norm, SGLang's default capture), scored by the target's own lm_head.
 
-Sampled drafts (the head's "draft_temperature" or SPECPLUG_DRAFT_TEMPERATURE): in a batch
-with a sampled request, each request's tree is `budget // depth` chains drawn from
-q = softmax(draft log-probs / T) (SpecInfer; specplug.common.drafting.sampled), carrying
-q per node, and verified with it (method "rejection"); all-greedy batches keep top-k trees.
-
-Hybrid drafting, as in vLLM: when the head's section (or SPECPLUG_RETRIEVAL /
-SPECPLUG_DRAFTER) names a token drafter, its trees are merged with the head's under the
-same node budget (specplug.common.merge.merge_trees).
+Which request drafts how is the core's DraftingSession's decision, the same as in vLLM:
+with sampled drafts on (the head's "draft_temperature" or SPECPLUG_DRAFT_TEMPERATURE), a
+request that samples without a seed gets `budget // depth` chains drawn from
+q = softmax(draft log-probs / T) (SpecInfer), verified with q; greedy and seeded
+requests get top-k trees, merged with the token drafter's under the same node budget
+when the head's section (or SPECPLUG_RETRIEVAL / SPECPLUG_DRAFTER) names one.
 
 A request whose head state does not match SGLang's (its root token or position differs,
 e.g. right after a retraction) verifies its root alone that step; its drafts resume after
@@ -44,7 +42,8 @@ from specplug.common.drafting.eagle import Committed, EagleDrafting, Root
 from specplug.common.drafting import int8
 from specplug.common.drafting.runner import TorchHeadRunner
 from specplug.common.drafting.sampled import SampledDrafts, sampled_tree
-from specplug.common.tree import DraftTree, TreeBatch, TreeConfig, stack_trees
+from specplug.common.drafting.session import DraftingSession, in_batch_order
+from specplug.common.tree import DraftTree, TreeBatch, stack_trees
 from specplug.sglang_medusa import batch_view as view
 from specplug.sglang_medusa.settings import Eagle3Settings, eagle3_settings_from_server_args
 from specplug.sglang_medusa.token_worker import synced_drafter
@@ -85,10 +84,12 @@ class Eagle3Worker(TreeVerifyWorker):
         self.roots: dict[str, Root] = {}  # each request's last catch-up
         # requests SGLang never reported finished (e.g. done at prefill, aborted) are dropped beyond this
         self.max_live = 2 * int(cfg.max_running_requests or 48)
-        self.sampled = SampledDrafts(self.settings.draft_temperature)
         self.sampled_tree = sampled_tree(self.settings.tree)
         if self.settings.drafter is not None:
             self.token_drafts = synced_drafter(self.settings.drafter, cfg, self.model_runner)
+        self.session = DraftingSession(
+            self.drafting, token_drafter=None if self.token_drafts is None else self.token_drafts.drafter,
+            sampled=SampledDrafts(self.settings.draft_temperature))
         feature = "the target's final hidden state"
         if head.KIND == "EAGLE-3":
             layers = head.config.resolved_aux_layer_ids(view.target_config(self.model_runner).num_hidden_layers)
@@ -198,23 +199,24 @@ class Eagle3Worker(TreeVerifyWorker):
     # ------------------------------------------------------------------ drafting
 
     def _draft(self, batch) -> tuple[TreeBatch, dict]:
-        """One tree per request from its root: the head's, merged with the token
-        drafter's when hybrid; [B, n] with n <= num_nodes."""
-        if self.sampled.on and not view.sampling(batch).all_greedy:
-            return self._sampled_trees(batch)
-        trees = self._with_token_drafts(batch, self._head_trees(batch), self.settings.tree.budget,
-                                        self.settings.tree.depth)
-        return trees, batch_layout(trees)
-
-    def _sampled_trees(self, batch) -> tuple[TreeBatch, dict]:
-        """Chains drawn from q with q per node, when every request's head state is in
-        step; else top-k trees (verified with the target-only rule: still lossless)."""
+        """One tree per request from its root, as the core's DraftingSession decides per
+        request (drawn from q, or the head's top-k tree merged with the token drafter's
+        when hybrid); [B, n] with n <= num_nodes. A request whose head state is out of
+        step with SGLang's (see the module docstring) verifies its root alone."""
+        self.session.begin_step()
         found = self._roots(batch)
-        if not all(found.usable):
-            trees = self._head_trees(batch, found)
-            return trees, batch_layout(trees)
-        with torch.inference_mode():
-            trees = self.drafting.trees(found.roots, self.sampled_tree, self.sampled, view.request_ids(batch))
+        rows = [i for i, ok in enumerate(found.usable) if ok]
+        stale = [i for i, ok in enumerate(found.usable) if not ok]
+        parts = [(stale, stack_trees([_root_only(found.last[i]) for i in stale]))] if stale else []
+        if rows:
+            if self.token_drafts is not None:
+                self.token_drafts.sync(batch)
+            rids, params = view.request_ids(batch), view.request_sampling(batch)
+            with torch.inference_mode():
+                parts.append((rows, self.session.trees(
+                    [found.roots[i] for i in rows], [rids[i] for i in rows], [params[i] for i in rows],
+                    self.settings.tree, self.sampled_tree, budget=self.settings.tree.budget)))
+        trees = parts[0][1] if len(parts) == 1 else in_batch_order(parts, len(found.last))
         return trees, batch_layout(trees)
 
     def _roots(self, batch) -> "_Roots":
@@ -225,19 +227,6 @@ class Eagle3Worker(TreeVerifyWorker):
         seq_lens = view.seq_lens(batch).tolist()
         usable = [r is not None and r.token == t and r.position == s - 1 for r, t, s in zip(roots, last, seq_lens)]
         return _Roots(roots, last, usable)
-
-    def _head_trees(self, batch, found: "_Roots | None" = None) -> TreeBatch:
-        """EAGLE-2 trees; a request whose head state is out of step with SGLang's (see
-        the module docstring) gets its root alone."""
-        roots, last, usable = found or self._roots(batch)
-        if not any(usable):
-            return stack_trees([_root_only(t) for t in last])
-        with torch.inference_mode():
-            drafted = self.drafting.trees([r for r, ok in zip(roots, usable) if ok], self.settings.tree)
-        if not all(usable):
-            drafted_rows = iter(drafted.unbind())
-            drafted = stack_trees([next(drafted_rows) if ok else _root_only(t) for ok, t in zip(usable, last)])
-        return drafted
 
 
 class _Roots(NamedTuple):

@@ -42,11 +42,15 @@ class SyncedTokenDrafter:
     def draft(self, batch, **overrides) -> TreeBatch:
         """Each request's tree, rooted at its last committed token (the drafter's
         overrides: budget, max_depth, min_prob); roots alone if the drafter raises."""
-        rids = view.request_ids(batch)
+        self.sync(batch)
+        return draft_or_roots(self.drafter, view.request_ids(batch), view.last_tokens(batch),
+                              **overrides)  # candidates [B, n]
+
+    def sync(self, batch) -> None:
+        """Each request's copy brought to SGLang's committed tokens (prompt + output)."""
         for req in view.requests(batch):
             self.drafter.sync(view.request_id(req), view.prompt_ids(req), view.output_ids(req))
-        self._forget_stale(rids)
-        return draft_or_roots(self.drafter, rids, view.last_tokens(batch), **overrides)  # candidates [B, n]
+        self._forget_stale(view.request_ids(batch))
 
     def free(self, rid) -> None:
         self.drafter.free(rid)

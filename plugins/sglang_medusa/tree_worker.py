@@ -15,7 +15,8 @@ step for B requests:
    (penalties, min-new-tokens, logit bias: specplug.common.request_rules), then
    specplug.common.verify_step, which chooses each request's rule (greedy; "coupled",
    with draws fixed by the request's `sampling_seed` and position when it has one;
-   otherwise rejection with the drafter's q where the tree carries draft_probs;
+   otherwise, for drafts drawn from q, block verification (chains) or rejection (trees)
+   with that q;
    typical acceptance, LOSSY, when configured).
 4. commit: SGLang moves the accepted path's KV to the front of the verify window
    (move_accept_tokens_to_target_kvcache) and frees the rest.
@@ -36,7 +37,7 @@ import time
 import torch
 
 from specplug.common import sampling
-from specplug.common.merge import merge_trees
+from specplug.common.drafting.session import DraftingSession
 from specplug.common.metrics import AcceptanceStats
 from specplug.common.request_rules import apply_rules
 from specplug.common.tree import DraftTree, TreeBatch, ancestor_mask, sglang_layout, tree_depths
@@ -101,6 +102,7 @@ class TreeVerifyWorker(BaseSpecWorker):
     typical_delta = sampling.TYPICAL_DELTA
     times_verify = False
     token_drafts = None  # hybrid drafting: a head worker's token_worker.SyncedTokenDrafter, or None
+    session: DraftingSession | None = None  # a head worker's per-request drafting (sampled drafts, hybrid)
 
     def __init__(self, server_args, target_worker, num_nodes: int):
         super().__init__()
@@ -140,11 +142,18 @@ class TreeVerifyWorker(BaseSpecWorker):
     def _with_token_drafts(self, batch, trees: TreeBatch, budget: int, depth: int) -> TreeBatch:
         """The head's trees merged with the token drafter's (rooted at the same last
         committed tokens, paths up to `depth`) into at most `budget` draft nodes per
-        request (specplug.common.merge); `trees` itself when the worker is not hybrid."""
+        request (DraftingSession.merged); `trees` itself when the worker is not hybrid."""
         if self.token_drafts is None:
             return trees
-        found = self.token_drafts.draft(batch, max_depth=depth)
-        return merge_trees([trees, found], budget)
+        self.token_drafts.sync(batch)
+        return self.session.merged(trees, view.request_ids(batch), depth, budget)
+
+    def _draft_q(self, batch, tree: TreeBatch):
+        """q of the step's drafts drawn from q: {row: q Float [k, V]} from the session's step
+        record, or TreeBatch.draft_probs (every row) for a worker without a session."""
+        if self.session is None:
+            return tree.draft_probs
+        return self.session.draft_q(view.request_ids(batch), tree.candidates, tree.num_nodes) or None
 
     def _free_token_drafts(self, rid: str | None = None) -> None:
         """A finished request's token-drafter copy (None: everything, SGLang's flush_cache)."""
@@ -302,8 +311,10 @@ class TreeVerifyWorker(BaseSpecWorker):
         parents, num_nodes = tree.parents, tree.num_nodes.cpu()
         rows = torch.full((bs,), n, dtype=torch.long)  # every request owns n rows (padding: roots)
         logits = apply_rules(logits, rules_of(view.requests(batch)), tree.candidates, parents, rows)
-        q = tree.draft_probs if self.method != "typical" else None  # sampled drafts: their q
-        if q is not None:
+        q = self._draft_q(batch, tree) if self.method != "typical" else None  # sampled drafts: their q
+        if isinstance(q, dict):
+            q = {b: _vocab_width(rows.to(logits.device), logits.shape[-1]) for b, rows in q.items()}
+        elif q is not None:
             q = _vocab_width(q.to(logits.device), logits.shape[-1])
         verdict = verify_step(
             logits.view(bs, n, -1), tree.candidates, parents, num_nodes, view.request_sampling(batch),

@@ -6,10 +6,10 @@ step: the prefill captures the LAST hidden state, each verify pass every node's)
 a static candidate tree (specplug.common.tree), one shared topology; after a verify
 the drafter keeps the hidden state of the last accepted node.
 
-Sampled drafts (the heads' "draft_temperature" or SPECPLUG_DRAFT_TEMPERATURE): in a batch
-with a sampled request, each request's tree is chains drawn from the heads' q at that
-temperature (MedusaDrafter.draft_sampled), verified with q; greedy batches keep the
-static tree.
+Sampled drafts (the heads' "draft_temperature" or SPECPLUG_DRAFT_TEMPERATURE): a request
+that samples without a seed gets chains drawn from the heads' q at that temperature
+(MedusaDrafter.draft_sampled), verified with q; greedy and seeded requests keep the
+static tree (the core's DraftingSession decides, per request, as in vLLM).
 
 Adaptive speculation (settings.adaptive): before each decode step
 specplug.common.policy.adaptive.AdaptiveController picks a tree from a family of budgets (the
@@ -22,7 +22,7 @@ verify path.
 Hybrid drafting (the heads' "retrieval" / "drafter", SPECPLUG_RETRIEVAL / SPECPLUG_DRAFTER):
 each drafted static tree is merged with the token drafter's tree of the same root under
 the static tree's node count (specplug.common.merge, on the heads' path scores), so a
-step's trees differ per request; sampled-draft steps and root-only steps are not merged.
+step's trees differ per request; drafts drawn from q and root-only steps are not merged.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode
 from specplug.common.policy.adaptive import AdaptiveController, pinned_costs, tree_family, tree_option
 from specplug.common.drafters import MedusaDrafter, prior_accuracies
 from specplug.common.drafting.sampled import SampledDrafts, sampled_tree
+from specplug.common.drafting.session import DraftingSession, in_batch_order
 from specplug.common.tree import DraftTree, TreeBatch, TreeConfig
 from specplug.sglang_medusa import batch_view as view
 from specplug.sglang_medusa.settings import MedusaSettings, settings_from_server_args
@@ -69,7 +70,6 @@ class MedusaWorker(TreeVerifyWorker):
                 f"MEDUSA tree has {self.template.num_nodes} nodes but speculative_num_draft_tokens is "
                 f"{self.num_nodes}: leave --speculative-num-draft-tokens unset or give the tree's node count")
         self._layout = tree_layout(self.template, self.device)
-        self.sampled = SampledDrafts(self.settings.draft_temperature)
         self.sampled_tree = sampled_tree(TreeConfig(min(self.settings.tree.depth, self.drafter.heads.num_heads),
                                                     self.settings.tree.topk, self.num_nodes - 1))
         self.adaptive: AdaptiveController | None = None
@@ -79,6 +79,9 @@ class MedusaWorker(TreeVerifyWorker):
             self._start_adaptive()
         if self.settings.drafter is not None:
             self.token_drafts = synced_drafter(self.settings.drafter, cfg, self.model_runner)
+        self.session = DraftingSession(
+            None, token_drafter=None if self.token_drafts is None else self.token_drafts.drafter,
+            sampled=SampledDrafts(self.settings.draft_temperature))
         logger.info("MEDUSA worker: %d heads, %d-node tree (depth %d), %s verification%s",
                     self.drafter.heads.num_heads, self.num_nodes, self.template.max_depth, self.settings.verification,
                     "" if self.token_drafts is None else f", merged with drafter {self.settings.drafter.name!r}")
@@ -119,18 +122,38 @@ class MedusaWorker(TreeVerifyWorker):
     # ------------------------------------------------------------------ drafting
 
     def _draft(self, batch) -> tuple[TreeBatch, dict]:
-        """(candidates [B, N] from the heads, the tree's layout); the root is the request's
-        last committed token. Adaptive steps draft the chosen option's tree, or (None)
-        the root alone without running the heads."""
+        """(candidates [B, N] from the heads, the trees' layout); the root is the request's
+        last committed token. Which request drafts how is the core's DraftingSession's
+        decision: with sampled drafts on, a request that samples without a seed gets
+        chains drawn from the heads' q; the others the static tree (merged with the token
+        drafter's when hybrid). Adaptive steps draft the chosen option's tree for every
+        request, or (None) the root alone without running the heads."""
+        self.session.begin_step()
         rids = view.request_ids(batch)
         roots = torch.tensor(view.last_tokens(batch), dtype=torch.long)
         option = self._option = None if self.adaptive is None else self.adaptive.choose(len(rids))
         if self.adaptive is not None and option is None:
             return root_only_batch(roots), ROOT_ONLY
-        if self.sampled.on and option is None and not view.sampling(batch).all_greedy:
-            tree = self.drafter.draft_sampled(rids, self.sampled_tree, self.sampled)
-            tree.candidates[:, 0] = roots.to(tree.candidates.device)
-            return tree, batch_layout(tree)
+        drawn, top_k = ([], list(range(len(rids)))) if option is not None else self.session.split(
+            view.request_sampling(batch))
+        if not drawn:
+            return self._static_trees(batch, rids, roots, option)
+        parts = [(drawn, self._drawn_trees([rids[i] for i in drawn]))]
+        if top_k:
+            parts.append((top_k, self._static_trees(batch, [rids[i] for i in top_k], roots[top_k], None)[0]))
+        tree = parts[0][1] if len(parts) == 1 else in_batch_order(parts, len(rids))
+        tree.candidates[:, 0] = roots.to(tree.candidates.device)
+        return tree, batch_layout(tree)
+
+    def _drawn_trees(self, rids) -> TreeBatch:
+        """Chains drawn from the heads' q for requests `rids`, recorded for the verify."""
+        tree = self.drafter.draft_sampled(rids, self.sampled_tree, self.session.sampled)
+        self.session.record.draw(rids, tree)
+        return tree
+
+    def _static_trees(self, batch, rids, roots: torch.Tensor, option) -> tuple[TreeBatch, dict]:
+        """The static (or the adaptive option's) tree for requests `rids` with these
+        roots, merged with the token drafter's when hybrid; and its layout."""
         config, layout = (self.settings.tree, self._layout) if option is None else self._budgets[option]
         started = time.perf_counter()
         tree = self.drafter.draft(rids, config)
@@ -139,7 +162,8 @@ class MedusaWorker(TreeVerifyWorker):
         tree.candidates[:, 0] = roots.to(tree.candidates.device)
         if self.token_drafts is None:
             return tree, layout
-        merged = self._with_token_drafts(batch, tree, tree.candidates.shape[1] - 1, self.template.max_depth)
+        self.token_drafts.sync(batch)
+        merged = self.session.merged(tree, rids, self.template.max_depth, tree.candidates.shape[1] - 1)
         return merged, batch_layout(merged)
 
     def _verified(self, tree, verdict, seconds) -> None:

@@ -88,7 +88,7 @@ class SpecplugMedusaProposer(MedusaProposer):
             self.tree_verifier.install()
             self.state.wrap_sample_hidden(self.tree_verifier.committed_samples)
         self.state.replace_rejection_sampler(lambda own: SpecplugChainSampler(
-            own, None, self.tree_verifier, self.state.request_params, self.state.tokens_before_step))
+            own, self.state, self.tree_verifier))
 
     def load_model(self, target_model) -> None:
         if self.specplug is not None:  # vLLM set num_heads to num_speculative_tokens: load what the checkpoint holds

@@ -41,15 +41,12 @@ from specplug.vllm_eagle3.settings import (
 )
 from specplug.common import memory, token_drafters
 from specplug.common.drafting.eagle import Committed, EagleDrafting
+from specplug.common.drafting.engine_layers import EngineTarget
 from specplug.common.drafting.sampled import SampledDrafts
-from specplug.common.merge import merge_trees
-from specplug.common.path_choice import (
-    best_chain_paths, best_chains, best_merged_chains, full_budget, lengthen_chains,
-)
+from specplug.common.drafting.session import DraftingSession
+from specplug.common.path_choice import best_chains
 from specplug.common.policy.calibration import HybridScale
 from specplug.common.policy.payoff import DraftGate
-from specplug.common.drafting.engine_layers import EngineTarget
-from specplug.common.token_drafters import draft_or_roots
 from specplug.common.tree import TreeConfig
 
 logger = logging.getLogger(__name__)
@@ -74,25 +71,23 @@ class SpecplugEagleProposer(EagleProposer):
         if self.specplug.stage == "tree":
             from specplug.vllm_eagle3.tree_platform import check_platform
             check_platform(vllm_config)
-        self.drafting: EagleDrafting | None = None  # built on the loaded head at the first step
         self.adaptive: AdaptiveController | None = None
         if self.specplug.adaptive:
             self.adaptive = AdaptiveController(self.num_speculative_tokens)
             logger.info("specplug adaptive speculation on: each step drafts 0..%d tokens, chosen by "
                         "specplug.common.policy.cost from step costs and acceptance measured in this engine",
                         self.num_speculative_tokens)
-        self.token_drafter = None  # hybrid drafting: the section's token drafter, or None
+        token_drafter = None  # hybrid drafting: the section's token drafter, or None
         if self.specplug.drafter is not None:
-            self.token_drafter = token_drafters.build(self.specplug.drafter, vllm_config.model_config.get_vocab_size())
-        self.drafted_alone = 0  # steps drafted by the token drafter alone (TokenDrafter.alone)
-        self.sampled = SampledDrafts(self.specplug.draft_temperature)  # off without "draft_temperature"
-        self.drawn: dict = {}  # request -> (draft tokens, q Float [K, V]) of chains drawn from q last step
-        self.scale = None  # hybrid drafting on measured acceptance (stage chain): a HybridScale
-        if self.token_drafter is not None and self.specplug.calibrate and self.specplug.stage == "chain":
-            self.scale = HybridScale(["head", "tokens"])
+            token_drafter = token_drafters.build(self.specplug.drafter, vllm_config.model_config.get_vocab_size())
+        scale = None  # hybrid drafting on measured acceptance (stage chain): a HybridScale
+        if token_drafter is not None and self.specplug.calibrate and self.specplug.stage == "chain":
+            scale = HybridScale(["head", "tokens"])
         self.clock = StepClock()  # the engine step between two propose calls (adaptive, gate)
-        self.gate = DraftGate() if self.specplug.gate else None
-        self.gated: dict = {}  # request -> expected accepted length of the chain handed vLLM last step
+        # the head's EagleDrafting joins the session on the loaded head at the first step
+        self.session = DraftingSession(
+            None, token_drafter=token_drafter, sampled=SampledDrafts(self.specplug.draft_temperature), scale=scale,
+            gate=DraftGate() if self.specplug.gate else None)
         memory.from_environment()  # opt-in: SPECPLUG_MALLOC_TRIM_S, SPECPLUG_MEMORY_LOG_S (docs/reliability.md)
         self._log_active()
 
@@ -105,8 +100,6 @@ class SpecplugEagleProposer(EagleProposer):
                 target_model, target_model.compute_logits, self.vllm_config.model_config.hf_text_config))
         if self.specplug is not None and self.state is not None:
             # the runner builds its rejection sampler after the drafter: swap it here
-            listening = any(x is not None for x in (self.adaptive, self.scale, self.gate))
-            on_verify = self._verified if listening else None
             if self.specplug.stage == "tree":
                 from specplug.vllm_eagle3.tree_verify import TreeVerifier
                 self.tree_verifier = TreeVerifier(self.state)
@@ -114,9 +107,8 @@ class SpecplugEagleProposer(EagleProposer):
                 logger.info("specplug stage tree: runner._prepare_inputs and _build_attention_metadata "
                             "wrapped (tree positions, ancestor mask via CPU_ATTN override, KV "
                             "compaction after verification)")
-            draft_q = self._draft_q if self.sampled.on else None
             self.state.replace_rejection_sampler(lambda own: SpecplugChainSampler(
-                own, on_verify, self.tree_verifier, self.state.request_params, self.state.tokens_before_step, draft_q))
+                own, self.state, self.tree_verifier, self.session, self._verified))
             logger.info("specplug: runner.rejection_sampler replaced by SpecplugChainSampler "
                         "(specplug.common.sampling.verify)")
 
@@ -131,10 +123,10 @@ class SpecplugEagleProposer(EagleProposer):
                 common_attn_metadata, sampling_metadata, mm_embed_inputs,
                 num_rejected_tokens_gpu, slot_mappings,
             )
-        self._last_draft_probs = None  # vLLM's own draft-probs slot stays empty (q travels by self.drawn)
-        self.drawn = {}  # chains drawn from q are verified in the step after they were drafted, never later
+        self._last_draft_probs = None  # vLLM's own draft-probs slot stays empty (q travels in the step record)
+        self.session.begin_step()
         if self.drafting is None:
-            self.drafting = EagleDrafting(self.head_runner(self.model))
+            self.session.drafting = EagleDrafting(self.head_runner(self.model))
         self._step_timed(int(common_attn_metadata.query_start_loc_cpu[common_attn_metadata.num_reqs]))
         if self.tree_verifier is not None:  # accepted tree nodes first, as in a chain
             target_token_ids, target_positions, target_hidden_states = self.tree_verifier.committed_order(
@@ -171,10 +163,8 @@ class SpecplugEagleProposer(EagleProposer):
                 self.drafting.defer(requests)
                 return torch.zeros(batch, 0, dtype=next_token_ids.dtype, device=next_token_ids.device)
         if keep and depth > 0 and self.tree_verifier is None:
-            chains = None if self.token_drafter is None else self.token_drafter.alone(
-                [requests[i][0] for i in keep], depth)
+            chains = self.session.alone([requests[i][0] for i in keep], depth)
             if chains is not None:  # the head's catch-up waits for the next step that drafts with it
-                self.drafted_alone += 1
                 self.drafting.defer(requests)
                 return self._scatter(chains, [rows[i] for i in keep], batch, next_token_ids)
         roots = self.drafting.catch_up(requests) if requests else []
@@ -193,16 +183,34 @@ class SpecplugEagleProposer(EagleProposer):
             return self._gated(drafts, expected, [rows[i] for i in keep], kept_ids, batch)
         return self._scatter(drafts, [rows[i] for i in keep], batch, next_token_ids)
 
+    @property
+    def drafting(self) -> EagleDrafting | None:
+        return self.session.drafting
+
+    @property
+    def token_drafter(self):
+        return self.session.token_drafter
+
+    @property
+    def gate(self) -> DraftGate | None:
+        return self.session.gate
+
+    @property
+    def scale(self) -> HybridScale | None:
+        return self.session.scale
+
+    @property
+    def drafted_alone(self) -> int:
+        return self.session.drafted_alone
+
     def _gated(self, drafts, expected, rows, req_ids, batch) -> list[list[int]]:
         """Each batch row's drafts as vLLM's list of lists: the chain where the draft gate
-        keeps it (DraftGate.choose on each chain's expected accepted length), else none
-        (vLLM then runs that request's step plain, as for n-gram drafts that found nothing)."""
-        keep = self.gate.choose(expected, batch, drafts.shape[1])  # [len(rows)]
+        keeps it (DraftingSession.gated), else none (vLLM then runs that request's step
+        plain, as for n-gram drafts that found nothing)."""
+        keep = self.session.gated(drafts, expected, req_ids, batch)  # [len(rows)]
         out: list[list[int]] = [[] for _ in range(batch)]
         for i in torch.nonzero(keep).flatten().tolist():
             out[rows[i]] = drafts[i].tolist()
-            if bool(expected[i].isfinite()):  # chains drawn from q have no estimate to check
-                self.gated[req_ids[i]] = float(expected[i])
         return out
 
     def _step_timed(self, tokens: int) -> None:
@@ -223,72 +231,10 @@ class SpecplugEagleProposer(EagleProposer):
         return out.to(next_token_ids.device)
 
     def _draft_chains(self, roots, req_ids, depth):
-        """Stage "chain": (Long [len(roots), depth], Float [len(roots)]): each request's best tree
-        path and its expected accepted length, or with sampled drafts on, a chain drawn from
-        q for each request that samples (_draws_from_q; expected length unknown: inf)."""
-        drawn = [self._draws_from_q(r) for r in req_ids]
-        chains = torch.zeros(len(roots), depth, dtype=torch.long)
-        expected = torch.full((len(roots),), float("inf"))
-        rows = [i for i, d in enumerate(drawn) if not d]
-        if rows:
-            chains[rows], expected[rows] = self._best_paths([roots[i] for i in rows], [req_ids[i] for i in rows], depth)
-        rows = [i for i, d in enumerate(drawn) if d]
-        if rows:
-            chains[rows] = self._drawn_chains([roots[i] for i in rows], [req_ids[i] for i in rows], depth)
-        return chains, expected
-
-    def _best_paths(self, roots, req_ids, depth):
-        """Each root's best tree path, Long [len(roots), depth], and its expected accepted
-        length, Float [len(roots)] (path_choice.best_chain_paths; with a token drafter, of the
-        tree merged with its tree: best_merged_chains). A path shorter than
-        `depth` (drafting stopped early: TreeConfig.stop_below) keeps the full length:
-        vLLM-CPU's target step measured 36% slower when the chain length varied from step
-        to step. With a token drafter its slots past the path hold the drafter's
-        continuation of it (path_choice.lengthen_chains), else the path's last token
-        repeated; `expected` counts the path only."""
-        tree = self.specplug.tree
-        budget = full_budget(depth, tree.topk, roots[0].logprobs.shape[-1])
-        trees = self.drafting.trees(roots, TreeConfig(depth, tree.topk, budget, tree.stop_below))
-        if self.token_drafter is None:
-            chains, expected, lengths = best_chain_paths(trees, depth)
-        elif self.scale is None:  # the merged tree's best path, straight from the trie
-            chains, expected, lengths = best_merged_chains([trees, self._token_trees(trees, req_ids, depth, None)],
-                                                           depth)
-        else:
-            chains, expected, lengths = best_chain_paths(self._with_token_drafts(trees, req_ids, depth, None), depth)
-        if self.token_drafter is not None:
-            chains = lengthen_chains(self.token_drafter, req_ids, chains, lengths)
-        if self.scale is not None:
-            self.scale.chose(req_ids, chains)
-        return chains, expected
-
-    def _drawn_chains(self, roots, req_ids, depth):
-        """One chain per root drawn from the head's q (Leviathan), Long [len(roots), depth];
-        each request's tokens and q rows wait in self.drawn for the sampler's next verify."""
-        trees = self.drafting.trees(roots, TreeConfig(depth, 1, depth), self.sampled, req_ids)
-        chains = trees.candidates[:, 1:]  # [B, depth]; draft_probs [B, depth + 1, V], row j: q of draft j + 1
-        for b, req_id in enumerate(req_ids):
-            self.drawn[req_id] = (tuple(chains[b].tolist()), trees.draft_probs[b, :depth])
-        return chains
-
-    def _draws_from_q(self, req_id) -> bool:
-        """Sampled drafts for this request: on, and it samples without a seed (a seeded
-        request keeps argmax drafts and the coupled draws that make it reproducible)."""
-        if not self.sampled.on:
-            return False
-        params = self.state.sampling_params(req_id)
-        return params is not None and params.temperature >= 1e-5 and params.seed is None
-
-    def _draft_q(self, batch, candidates, num_nodes) -> dict:
-        """{batch row: q Float [n - 1, V]} for the rows of this verify step whose drafts
-        were drawn from q (their tokens as drawn); forgets every drawn chain."""
-        drawn, self.drawn = self.drawn, {}
-        rows = {}
-        for b, req_id in enumerate(self.state.request_ids(batch) if drawn else ()):
-            n = int(num_nodes[b])
-            if req_id in drawn and n > 1 and tuple(candidates[b, 1:n].tolist()) == drawn[req_id][0][:n - 1]:
-                rows[b] = drawn[req_id][1][:n - 1]
-        return rows
+        """Stage "chain": (Long [len(roots), depth], Float [len(roots)]): each request's chain
+        and its expected accepted length, as the core's DraftingSession decides per request."""
+        params = [self.state.sampling_params(r) for r in req_ids]
+        return self.session.chains(roots, req_ids, depth, params, self.specplug.tree)
 
     def _draft_trees(self, roots, req_ids):
         """Stage "tree": every kept node of each root's tree, Long [len(roots), N - 1], its
@@ -296,7 +242,7 @@ class SpecplugEagleProposer(EagleProposer):
         their best path padded to N - 1 instead, recorded as nothing (= a chain)."""
         config = self.specplug.tree
         trees = self.drafting.trees(roots, TreeConfig(config.depth, config.topk, config.budget))
-        trees = self._with_token_drafts(trees, req_ids, None, budget=config.budget)
+        trees = self.session.merged(trees, req_ids, None, budget=config.budget)
         drafts = trees.candidates[:, 1:].clone()  # [B, N - 1]
         chained = torch.tensor([needs_chain(self.state.sampling_params(r)) for r in req_ids])
         if chained.any():
@@ -306,66 +252,19 @@ class SpecplugEagleProposer(EagleProposer):
                 self.tree_verifier.record(req_id, trees.candidates[b], trees.parents[b])
         return drafts
 
-    # -- hybrid drafting: a token drafter's candidates beside the head's ---------------
-    def _with_token_drafts(self, trees, req_ids, depth, budget):
-        """The head's trees merged with the token drafter's (same roots) into one tree per
-        request: `budget` best nodes (None: every node), its paths at most `depth` deep
-        (None: its own max_depth)."""
-        if self.token_drafter is None:
-            return trees
-        found = self._token_trees(trees, req_ids, depth, budget)
-        keep = budget if budget is not None else int(trees.num_nodes.max() + found.num_nodes.max())
-        if self.scale is not None and budget is None:
-            return self.scale.merge(req_ids, [trees, found], keep)
-        return merge_trees([trees, found], keep)
-
-    def _token_trees(self, trees, req_ids, depth, budget):
-        """The token drafter's trees from the head trees' roots. For chains (`budget`
-        None) it keeps nodes below its min_prob too: vLLM verifies all `depth` slots
-        whatever they hold, so a weak continuation of the best path still beats padding it."""
-        if budget is None:
-            return draft_or_roots(self.token_drafter, req_ids, trees.candidates[:, 0], max_depth=depth,
-                                  min_prob=0.0, budget=max(self.token_drafter.budget, 2 * depth))
-        return draft_or_roots(self.token_drafter, req_ids, trees.candidates[:, 0], max_depth=depth)
-
-    def _verified(self, num_draft_tokens, num_accepted):
+    def _verified(self, req_ids, num_draft_tokens, num_accepted):
         """The sampler's verify result, [B] drafts scheduled and accepted per batch row."""
         if self.adaptive is not None:
             self.adaptive.record_verify(num_draft_tokens, num_accepted)
-        if self.scale is not None:
-            self.scale.verified(self.state.request_ids(len(num_draft_tokens)), num_draft_tokens,
-                                num_accepted.tolist())
-        if self.gate is not None:
-            gated, self.gated = self.gated, {}
-            for req_id, drafts, accepted in zip(self.state.request_ids(len(num_draft_tokens)), num_draft_tokens,
-                                                num_accepted.tolist()):
-                if int(drafts) > 0 and req_id in gated:
-                    self.gate.verified(gated[req_id], accepted)
+        self.session.verified(req_ids, num_draft_tokens, num_accepted.tolist())
 
     def _sync_token_drafter(self, requests):
         """Bring the token drafter's copy of each request's committed tokens to what
-        vLLM committed this step: cut what vLLM discarded (rejected drafts, preemption),
-        fill what it has not seen from vLLM's request state, then append the new tokens."""
+        vLLM committed this step (DraftingSession.sync_tokens: cut what vLLM discarded,
+        fill what it has not seen from vLLM's request state), then append the new tokens."""
         for req_id, shifted, positions, _ in requests:
-            if self._drafter_prefix(req_id, int(positions[0]) + 1):
+            if self.session.sync_tokens(req_id, int(positions[0]) + 1, lambda: self.state.known_tokens(req_id)):
                 self.token_drafter.extend(req_id, shifted)
-
-    def _drafter_prefix(self, req_id, length) -> bool:
-        """Make the drafter hold exactly the request's first `length` tokens; False when
-        vLLM's request state does not have them (e.g. prompt embeddings)."""
-        drafter = self.token_drafter
-        have = drafter.length(req_id) if req_id in drafter.live else None
-        if have is not None and have >= length:
-            drafter.rollback(req_id, length)
-            return True
-        known = self.state.known_tokens(req_id)
-        if len(known) < length or min(known[:length], default=0) < 0:
-            return False
-        if have is None:
-            drafter.prefill(req_id, known[:length])
-        else:
-            drafter.extend(req_id, known[have:length])
-        return True
 
     def _committed_rows(self, token_ids, positions, aux_hidden, next_token_ids, attn_metadata,
                         num_rejected, discarded):
@@ -420,11 +319,5 @@ class SpecplugEagleProposer(EagleProposer):
                         self.num_speculative_tokens)
 
     def _forget_finished(self):
-        live = self.state.live
-        self.drafting.forget(live)
-        if self.scale is not None:
-            self.scale.forget(live)
-        if self.token_drafter is not None:
-            for req_id in [r for r in self.token_drafter.live if r not in live]:
-                self.token_drafter.free(req_id)  # retrieval: its tokens join the cache of recent requests
+        self.session.forget(self.state.live)
 

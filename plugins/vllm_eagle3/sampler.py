@@ -14,8 +14,8 @@ bias, min-tokens; specplug.common.request_rules, along each node's own path), th
 specplug.common.verify_step, which owns the rest: temperature / min-p / top-k / top-p
 in vLLM's filter order, and each request's verification rule (greedy; "coupled" draws,
 fixed by (seed, position) for a seeded request, so its output is the same run to run
-whatever was drafted, batched beside it or preempted; rejection with q for the rows
-below), with the chain fast path. This module only translates vLLM's batch into the
+whatever was drafted, batched beside it or preempted; block verification with q for
+the chains drawn from q below), with the chain fast path. This module only translates vLLM's batch into the
 core's terms (`_request_sampling`). Logprobs of the emitted tokens are vLLM's raw
 logprobs, gathered at the rows the tokens came from.
 
@@ -29,8 +29,9 @@ is exactly a step without speculation, and vLLM's sampler costs a third of specp
 rules and verify at batch 64.
 
 Sampled drafts (the head's "draft_temperature"): a request that samples without a seed
-may have drafts the proposer drew from the head's q; the proposer hands q over
-(`draft_q`) and verify_step verifies those rows by rejection sampling with q.
+may have drafts the proposer drew from the head's q; the core's DraftingSession records
+them with q (its step record, `draft_q`) and verify_step verifies those chains by block
+verification with q (Sun et al. 2024, specplug.common.block_verify).
 
 Stage "tree" uses the same layout with the tree's parents in place of the chain's:
 request i's rows are the distributions after each of its tree nodes (tree_verify.py).
@@ -89,16 +90,13 @@ class SpecplugChainSampler:
     greedy step without drafts (_plain_greedy), emits one token per request from vLLM's
     non-speculative sampler instead."""
 
-    def __init__(self, vllm_sampler, on_verify=None, tree=None, request_params=None, request_positions=None,
-                 draft_q=None):
+    def __init__(self, vllm_sampler, state, tree=None, session=None, on_verify=None):
         self.vllm_sampler = vllm_sampler
-        # (B, candidates, num_nodes) -> {row: q Float [n - 1, V]}: rows whose drafts were drawn from q
-        self.draft_q = draft_q
-        self.on_verify = on_verify  # (num_draft_tokens [B], num_accepted [B]) after each verify
+        self.state = state  # runner_state.RunnerState: the requests of the batch being verified
         self.tree = tree
-        self.request_params = request_params or (lambda batch: [None] * batch)  # B -> SamplingParams per row
-        # B -> Long [B]: tokens each request holds before this step (the next token's position)
-        self.request_positions = request_positions
+        # a DraftingSession whose step record holds the drafts drawn from q, or None
+        self.session = session
+        self.on_verify = on_verify  # (request ids, num_draft_tokens [B], num_accepted [B]) after each verify
         self._fallback_reasons: set[str] = set()
 
     def __getattr__(self, name):  # the runner also reads helpers off its sampler
@@ -115,13 +113,12 @@ class SpecplugChainSampler:
         if tree_parents is not None:
             parents = pad_parents(tree_parents, parents.shape[1])
         raw = logits[: int(num_nodes.sum())]  # [R, V], R = sum(num_nodes)
-        params = self.request_params(len(num_nodes))
+        params = self.state.request_params(len(num_nodes))
         processed = apply_rules(raw, rules_of(sampling_metadata, params, raw.shape[-1]), candidates, parents, num_nodes)
         result = self._verify(candidates, parents, num_nodes, processed, sampling_metadata, params)
         if self.tree is not None:
             self.tree.accept(result.accepted_nodes, result.num_accepted)
-        if self.on_verify is not None:
-            self.on_verify(list(metadata.num_draft_tokens), result.num_accepted)
+        self._verified(metadata.num_draft_tokens, result.num_accepted)
         tokens = _padded_output(result, candidates)  # [B, max_spec_len + 1], -1 padded
         logprobs = None
         if sampling_metadata.max_num_logprobs is not None:
@@ -134,7 +131,7 @@ class SpecplugChainSampler:
         vLLM's own sampler emits exactly what it would without speculation."""
         if not sampling_metadata.all_greedy or any(metadata.num_draft_tokens):
             return False
-        return not logit_bias_of(self.request_params(len(metadata.num_draft_tokens)))
+        return not logit_bias_of(self.state.request_params(len(metadata.num_draft_tokens)))
 
     def _logprobs(self, raw, tokens, result, num_nodes, max_num_logprobs):
         """vLLM's raw logprobs of every emitted token, rows in the order of `tokens`
@@ -165,8 +162,7 @@ class SpecplugChainSampler:
         out = self.vllm_sampler.sampler(logits=logits[starts], sampling_metadata=sampling_metadata)
         if self.tree is not None:
             self.tree.accept(torch.zeros(batch, 1, dtype=torch.long), torch.zeros(batch, dtype=torch.long))
-        if self.on_verify is not None:
-            self.on_verify(list(metadata.num_draft_tokens), torch.zeros(batch, dtype=torch.long))
+        self._verified(metadata.num_draft_tokens, torch.zeros(batch, dtype=torch.long))
         tokens = out.sampled_token_ids.new_full((batch, width), -1)
         tokens[:, 0] = out.sampled_token_ids[:, 0]
         logprobs = out.logprobs_tensors
@@ -174,19 +170,23 @@ class SpecplugChainSampler:
             logprobs = LogprobsTensors(*(_spread(t, width) for t in logprobs))
         return SamplerOutput(sampled_token_ids=tokens, logprobs_tensors=logprobs)
 
+    def _verified(self, num_draft_tokens, num_accepted: torch.Tensor) -> None:
+        if self.on_verify is not None:
+            self.on_verify(self.state.request_ids(len(num_draft_tokens)), list(num_draft_tokens), num_accepted)
+
     def _verify(self, candidates, parents, num_nodes, logits, sampling_metadata, params):
         """verify_step over flat logits [sum(num_nodes), vocab] (request-major); the core
-        chooses each request's rule. Rows whose drafts were drawn from q (self.draft_q)
-        hand that q over."""
-        drawn = {} if self.draft_q is None else self.draft_q(len(num_nodes), candidates, num_nodes)
+        chooses each request's rule. Rows whose drafts were drawn from q (the session's
+        step record) hand that q over."""
+        drawn = {} if self.session is None else self.session.draft_q(
+            self.state.request_ids(len(num_nodes)), candidates, num_nodes)
         settings = self._request_sampling(sampling_metadata, params)
         return verify_step(logits, candidates, parents, num_nodes, settings, draft_probs=drawn or None)
 
     def _request_sampling(self, sampling_metadata, params) -> list[RequestSampling]:
         """Each row's settings in the core's terms: temperature / top-k / top-p as vLLM's
         sampler holds them (temperature < 1e-5: greedy), min-p and seed from its
-        SamplingParams, and the tokens it holds before this step. Without positions a
-        seeded request draws like an unseeded one."""
+        SamplingParams, and the tokens it holds before this step."""
         batch = len(params)
         temperature = _values(sampling_metadata.temperature, batch, 0.0)
         top_k = _values(sampling_metadata.top_k, batch, 0)
@@ -194,10 +194,7 @@ class SpecplugChainSampler:
         min_p = min_p_of(params)
         min_p = min_p.tolist() if isinstance(min_p, torch.Tensor) else [min_p] * batch
         seeds = [getattr(sp, "seed", None) for sp in params]
-        if self.request_positions is None:
-            seeds, positions = [None] * batch, [0] * batch
-        else:
-            positions = self.request_positions(batch).tolist()
+        positions = self.state.tokens_before_step(batch).tolist()
         return [RequestSampling(temperature=0.0 if temperature[b] < 1e-5 else temperature[b], top_k=int(top_k[b]),
                                 top_p=top_p[b], min_p=min_p[b], order="vllm", seed=seeds[b], position=int(positions[b]))
                 for b in range(batch)]

@@ -46,18 +46,18 @@ def test_retrieval_candidates_reach_the_drafts(hybrid):
     merged trie's best path, path_choice.best_merged_chains; stage tree: the merged tree)."""
     drafter = drafter_of(hybrid)
     assert drafter.token_drafter is not None
-    found, token_trees = [], drafter._token_trees
+    found, token_trees = [], drafter.session._token_trees
 
     def recording(trees, req_ids, depth, budget):
         offered = token_trees(trees, req_ids, depth, budget)
         found.append(bool((offered.num_nodes > 1).any()))
         return offered
 
-    drafter._token_trees = recording
+    drafter.session._token_trees = recording
     try:
         hybrid.generate(REPEATING, params(max_tokens=24, temperature=0.0), use_tqdm=False)
     finally:
-        del drafter._token_trees
+        del drafter.session._token_trees
     assert any(found)
     assert len(drafter.token_drafter.cache) > 0  # finished requests joined the cache
 

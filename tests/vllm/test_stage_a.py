@@ -156,20 +156,20 @@ def test_drafts_drawn_from_q_are_verified_with_q_and_keep_the_distribution(engin
     head = two_token_head_dir(constant_target, specplug={**SPECPLUG_CHAIN_SECTION, "draft_temperature": 10.0})
     llm = engine(constant_target, head)
     drafter = drafter_of(llm)
-    drawn, draw = [], drafter._drawn_chains
+    drawn, draw = [], drafter.session._drawn_chains
 
     def counting(roots, req_ids, depth):
         drawn.append(len(req_ids))
         return draw(roots, req_ids, depth)
 
-    drafter._drawn_chains = counting
+    drafter.session._drawn_chains = counting
     try:
         sampling = params(max_tokens=NUM_TOKENS, temperature=0.8)
         prompts = [PROMPTS[s % 8] for s in range(NUM_REQUESTS)]
         spec, stats = run(llm, prompts, sampling)
         greedy = run(llm, PROMPTS[:1], params(max_tokens=8, temperature=0.0))[0]
     finally:
-        del drafter._drawn_chains
+        del drafter.session._drawn_chains
     plain = token_ids(engine(constant_target).generate(prompts, sampling, use_tqdm=False))
     assert sum(drawn) > 0
     assert _same_distribution(_bins(spec), _bins(plain))

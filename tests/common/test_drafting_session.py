@@ -1,0 +1,126 @@
+"""specplug.common.drafting.session: the per-request drafting decisions both engines share."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specplug.common.drafting.sampled import SampledDrafts
+from specplug.common.drafting.session import DraftingSession, StepRecord, draws_from_q, in_batch_order
+from specplug.common.token_drafters import TokenDrafterBase, pack_trees
+from specplug.common.tree import TreeBatch, TreeConfig
+from specplug.common.verify_step import RequestSampling
+
+VOCAB = 6
+GREEDY = RequestSampling(temperature=0.0)
+SAMPLED = RequestSampling(temperature=0.7)
+SEEDED = RequestSampling(temperature=0.7, seed=3)
+
+
+class Root(int):
+    """A root token with the draft log-probs after it (what _best_paths reads)."""
+
+    logprobs = torch.zeros(VOCAB)
+
+
+class RootDrafting:
+    """A drafter whose trees depend only on each root: top-k trees root -> root + 1 ->
+    root + 2 (a chain), or, with sampled drafts, a chain drawn from a uniform q with the
+    request's own generator (seeded per request id)."""
+
+    def __init__(self):
+        self.calls = []
+
+    def trees(self, roots, tree: TreeConfig, sampled=None, request_ids=None) -> TreeBatch:
+        self.calls.append(("drawn" if sampled is not None and sampled.on else "top-k", list(request_ids or [])))
+        depth = tree.depth
+        if sampled is not None and sampled.on:
+            rows = [torch.randint(VOCAB, (depth,), generator=torch.Generator().manual_seed(hash(r) % 1000))
+                    for r in request_ids]
+            candidates = torch.stack([torch.cat([torch.tensor([root]), row]) for root, row in zip(roots, rows)])
+            q = torch.full((len(roots), depth + 1, VOCAB), 1.0 / VOCAB)
+        else:
+            candidates = torch.stack([torch.arange(root, root + depth + 1) % VOCAB for root in roots])
+            q = None
+        parents = torch.arange(-1, depth).expand(len(roots), depth + 1).clone()
+        num_nodes = torch.full((len(roots),), depth + 1)
+        scores = -torch.arange(depth + 1.0).expand(len(roots), depth + 1).clone()
+        return TreeBatch(candidates, parents, num_nodes, scores, q)
+
+    def forget(self, live):
+        pass
+
+
+def test_draws_from_q_only_for_unseeded_sampled_requests_with_sampled_drafts_on():
+    on, off = SampledDrafts(0.8), SampledDrafts(None)
+    assert draws_from_q(on, SAMPLED)
+    assert not draws_from_q(on, GREEDY)
+    assert not draws_from_q(on, SEEDED)  # coupled draws keep a seeded request reproducible
+    assert not draws_from_q(on, None)
+    assert not draws_from_q(off, SAMPLED)
+    assert not draws_from_q(None, SAMPLED)
+
+
+def test_a_mixed_batch_drafts_each_request_as_it_would_alone():
+    """Per request, never per batch: a greedy request beside a sampled one keeps its top-k
+    tree, and every request's tree equals the tree it gets drafted alone."""
+    tree, sampled_tree = TreeConfig(2, 1, 2), TreeConfig(3, 1, 3)
+    ids, roots, params = ["g", "s", "z"], [Root(1), Root(2), Root(3)], [GREEDY, SAMPLED, SEEDED]
+    session = DraftingSession(RootDrafting(), sampled=SampledDrafts(0.8))
+    mixed = session.trees(roots, ids, params, tree, sampled_tree)
+    assert set(session.record.drawn) == {"s"}
+    for b in range(3):
+        alone = DraftingSession(RootDrafting(), sampled=SampledDrafts(0.8)).trees(
+            [roots[b]], [ids[b]], [params[b]], tree, sampled_tree)
+        n = int(alone.num_nodes[0])
+        assert int(mixed.num_nodes[b]) == n
+        assert mixed.candidates[b, :n].tolist() == alone.candidates[0, :n].tolist()
+    assert int(mixed.num_nodes[0]) == tree.depth + 1 and int(mixed.num_nodes[1]) == sampled_tree.depth + 1
+
+
+def test_chains_draw_from_q_per_request_and_record_q_for_the_verify():
+    session = DraftingSession(RootDrafting(), sampled=SampledDrafts(0.8))
+    chains, expected = session.chains([Root(1), Root(2)], ["g", "s"], 3, [GREEDY, SAMPLED], TreeConfig(3, 1, 3))
+    assert chains.shape == (2, 3)
+    assert expected[1].isinf() and expected[0].isfinite()
+    candidates = torch.cat([torch.zeros(2, 1, dtype=torch.long), chains], dim=1)  # roots in column 0
+    q = session.draft_q(["g", "s"], candidates, torch.tensor([4, 4]))
+    assert set(q) == {1} and q[1].shape == (3, VOCAB)
+    assert session.draft_q(["g", "s"], candidates, torch.tensor([4, 4])) == {}  # verified once
+
+
+def test_the_step_record_leaves_out_rows_the_engine_changed():
+    record = StepRecord()
+    record.drawn["s"] = ((4, 5, 1), torch.ones(3, VOCAB))
+    candidates = torch.tensor([[0, 4, 5, 1], [0, 4, 2, 1]])
+    assert set(record.draft_q(["s", "t"], candidates, [4, 4])) == {0}
+    assert set(record.draft_q(["x", "s"], candidates, [4, 4])) == set()  # s's tokens differ in row 1
+    assert record.draft_q(["s", "t"], candidates, [3, 4])[0].shape == (2, VOCAB)  # cut: its first rows
+
+
+class ListDrafter(TokenDrafterBase):
+    """A token drafter proposing nothing (tests sync only)."""
+
+    def draft(self, request_ids, root_tokens=None, *, budget=None, max_depth=None, min_prob=None):
+        return pack_trees([int(t) for t in root_tokens], [([], [], [])] * len(request_ids))[0]
+
+
+@pytest.mark.parametrize("have, length", [(None, 3), (2, 5), (6, 4), (4, 4)])
+def test_sync_tokens_makes_the_drafter_hold_exactly_the_committed_prefix(have, length):
+    drafter = ListDrafter()
+    known = [10, 11, 12, 13, 14, 15]
+    if have is not None:
+        drafter.prefill("r", known[:have])
+    session = DraftingSession(None, token_drafter=drafter)
+    assert session.sync_tokens("r", length, lambda: known)
+    assert drafter.live["r"] == known[:length]
+    assert not session.sync_tokens("new", 9, lambda: known)  # the engine lacks them
+
+
+def test_in_batch_order_puts_each_part_at_its_rows():
+    a = TreeBatch(torch.tensor([[7, 1]]), torch.tensor([[-1, 0]]), torch.tensor([2]))
+    b = TreeBatch(torch.tensor([[8, 2, 3], [9, 0, 0]]), torch.tensor([[-1, 0, 1], [-1, -1, -1]]),
+                  torch.tensor([3, 1]))
+    out = in_batch_order([([1], a), ([0, 2], b)], 3)
+    assert out.candidates[:, 0].tolist() == [8, 7, 9]
+    assert out.num_nodes.tolist() == [3, 2, 1]
