@@ -12,7 +12,7 @@ import pytest
 pytest.importorskip("vllm", reason="needs the vLLM environment: bash scripts/test.sh vllm")
 
 from tests.vllm.conftest import SPECPLUG_TREE  # noqa: E402
-from tests.vllm.test_stage_a import params, token_ids  # noqa: E402
+from tests.vllm.test_stage_chain import params, token_ids  # noqa: E402
 from tests.support.tiny_eagle3 import tiny_head_dir  # noqa: E402
 
 pytestmark = pytest.mark.vllm

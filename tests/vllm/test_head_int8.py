@@ -15,7 +15,7 @@ from specplug.common import formats  # noqa: E402
 from specplug.common.drafting import int4, int8  # noqa: E402
 from specplug.vllm_eagle3.dense_head import _QuantMethod, eagle3_linears, use_quantized_weights  # noqa: E402
 from tests.vllm.conftest import PROMPTS, SPECPLUG_CHAIN, drafter_of  # noqa: E402
-from tests.vllm.test_stage_a import params, run, token_ids  # noqa: E402
+from tests.vllm.test_stage_chain import params, run, token_ids  # noqa: E402
 from tests.support.tiny_eagle3 import tiny_head_dir  # noqa: E402
 
 pytestmark = pytest.mark.vllm

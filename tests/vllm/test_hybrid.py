@@ -12,8 +12,8 @@ import torch
 pytest.importorskip("vllm", reason="needs the vLLM environment: bash scripts/test.sh vllm")
 
 from tests.vllm.conftest import SPECPLUG_CHAIN, drafter_of  # noqa: E402
-from tests.vllm.test_stage_a import params, run, token_ids  # noqa: E402
-from tests.vllm.test_stage_b import BUDGET, SPECPLUG_STAGE_B  # noqa: E402
+from tests.vllm.test_stage_chain import params, run, token_ids  # noqa: E402
+from tests.vllm.test_stage_tree import BUDGET, SPECPLUG_TREE_SECTION  # noqa: E402
 from tests.support.tiny_eagle3 import tiny_head_dir  # noqa: E402
 
 pytestmark = pytest.mark.vllm
@@ -28,7 +28,7 @@ REPEATING = ["one two three four one two three four one two three four one two",
 
 @pytest.fixture(scope="session", params=["chain", "tree"])
 def hybrid(request, engine, target):
-    section = SPECPLUG_CHAIN if request.param == "chain" else SPECPLUG_STAGE_B
+    section = SPECPLUG_CHAIN if request.param == "chain" else SPECPLUG_TREE_SECTION
     head = tiny_head_dir(target, specplug={**section, "retrieval": RETRIEVAL})
     spec_tokens = 3 if request.param == "chain" else BUDGET
     return engine(target, head, num_spec_tokens=spec_tokens)

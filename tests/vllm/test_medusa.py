@@ -98,9 +98,9 @@ def test_no_section_runs_vllms_own_medusa(engine, target):
 
 # The constant target draws i.i.d. tokens from a fixed p; heads fitted on it draft its
 # greedy token first and another as the second child (topk 2), so siblings are tested
-# against residuals. Same sample, bins and threshold as test_stage_b's T > 0 test.
+# against residuals. Same sample, bins and threshold as test_stage_tree's T > 0 test.
 def test_sampled_tokens_keep_the_target_distribution(engine, constant_target):
-    from tests.vllm.test_stage_a import NUM_REQUESTS, NUM_TOKENS, _bins, _same_distribution
+    from tests.vllm.test_stage_chain import NUM_REQUESTS, NUM_TOKENS, _bins, _same_distribution
 
     llm = engine(constant_target, vllm_medusa_heads_dir(constant_target, specplug=TREE), NODES, method="medusa")
     params = [sampling(max_tokens=NUM_TOKENS, temperature=0.8, seed=s) for s in range(NUM_REQUESTS)]

@@ -15,8 +15,8 @@ import pytest
 pytest.importorskip("vllm", reason="needs the vLLM environment: bash scripts/test.sh vllm")
 
 from tests.vllm.conftest import PROMPTS, SPECPLUG_CHAIN, SPECPLUG_TREE, kv_bytes  # noqa: E402
-from tests.vllm.test_stage_a import params, token_ids  # noqa: E402
-from tests.vllm.test_stage_b import BUDGET, SPECPLUG_STAGE_B  # noqa: E402
+from tests.vllm.test_stage_chain import params, token_ids  # noqa: E402
+from tests.vllm.test_stage_tree import BUDGET, SPECPLUG_TREE_SECTION  # noqa: E402
 from tests.support.tiny_eagle3 import tiny_head_dir  # noqa: E402
 
 pytestmark = pytest.mark.vllm
@@ -26,7 +26,7 @@ SMALL = dict(max_model_len=256, max_num_seqs=8)
 RETRIEVAL = {"budget": 4, "max_depth": 4, "min_prob": 0.0}
 SECTIONS = {
     "chain": (SPECPLUG_TREE, 3),
-    "tree": (SPECPLUG_STAGE_B, BUDGET),
+    "tree": (SPECPLUG_TREE_SECTION, BUDGET),
     "hybrid-chain": ({**SPECPLUG_CHAIN, "retrieval": RETRIEVAL}, 3),
 }
 

@@ -16,8 +16,8 @@ import pytest
 pytest.importorskip("vllm", reason="needs the vLLM environment: bash scripts/test.sh vllm")
 
 from tests.vllm.conftest import PROMPTS
-from tests.vllm.test_stage_a import params, run, token_ids
-from tests.vllm.test_stage_b import BUDGET, tree_head  # noqa: F401 (fixture)
+from tests.vllm.test_stage_chain import params, run, token_ids
+from tests.vllm.test_stage_tree import BUDGET, tree_head  # noqa: F401 (fixture)
 
 pytestmark = pytest.mark.vllm
 

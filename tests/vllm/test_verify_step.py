@@ -1,6 +1,6 @@
 """specplug.common.verify_step in vLLM: a seeded sampled request (T > 0, SamplingParams
 `seed`) gives the same text alone and inside a batch of 8 mixed requests (greedy, other
-seeds, unseeded), each run twice, in stage A chains, stage "tree" trees and chains whose
+seeds, unseeded), each run twice, in stage "chain" chains, stage "tree" trees and chains whose
 unseeded requests' drafts are drawn from the head's q (so the batch mixes all three
 rules: greedy, coupled, block verification with q). Another seed gives other text
 (control)."""
@@ -13,8 +13,8 @@ pytest.importorskip("vllm", reason="needs the vLLM environment: bash scripts/tes
 
 from tests.support.tiny_eagle3 import tiny_head_dir
 from tests.vllm.conftest import PROMPTS, SPECPLUG_CHAIN
-from tests.vllm.test_stage_a import params, run
-from tests.vllm.test_stage_b import BUDGET, tree_head  # noqa: F401 (fixture)
+from tests.vllm.test_stage_chain import params, run
+from tests.vllm.test_stage_tree import BUDGET, tree_head  # noqa: F401 (fixture)
 
 pytestmark = pytest.mark.vllm
 

@@ -16,19 +16,19 @@ pytest.importorskip("vllm", reason="needs the vLLM environment: bash scripts/tes
 import torch
 
 from tests.vllm.conftest import PROMPTS, drafter_of
-from tests.vllm.test_stage_a import check_seeded_sampling, params, run, token_ids
+from tests.vllm.test_stage_chain import check_seeded_sampling, params, run, token_ids
 from tests.support.tiny_eagle3 import AGREE_TOKEN, agreeing_head_dir, tiny_head_dir, two_token_head_dir
 
 pytestmark = pytest.mark.vllm
 
 TREE = {"depth": 3, "topk": 2, "budget": 6}
-SPECPLUG_STAGE_B = {"version": 1, "method": "eagle3", "tree": TREE, "verification": "lossless", "stage": "tree"}
+SPECPLUG_TREE_SECTION = {"version": 1, "method": "eagle3", "tree": TREE, "verification": "lossless", "stage": "tree"}
 BUDGET = TREE["budget"]
 
 
 @pytest.fixture(scope="session")
 def tree_head(target):
-    return tiny_head_dir(target, specplug=SPECPLUG_STAGE_B)
+    return tiny_head_dir(target, specplug=SPECPLUG_TREE_SECTION)
 
 
 @pytest.fixture(scope="session")
@@ -91,7 +91,7 @@ def test_trees_are_verified_and_paths_compacted(engine, target, tree_engine):
 
 def test_agreeing_draft_is_accepted_at_every_position(engine, constant_target):
     """A draft vocabulary of one token: the tree is a chain of `depth` nodes, all accepted."""
-    head = agreeing_head_dir(constant_target, specplug=SPECPLUG_STAGE_B)
+    head = agreeing_head_dir(constant_target, specplug=SPECPLUG_TREE_SECTION)
     out, stats = run(engine(constant_target, head, num_spec_tokens=BUDGET), PROMPTS[:4],
                      params(max_tokens=17, temperature=0.0))
     depth = TREE["depth"]
@@ -216,8 +216,8 @@ def test_seeded_output_does_not_depend_on_the_drafts(engine, target, specplug_he
 # Test: chi-square homogeneity against vLLM without speculation, p-value threshold 1e-3:
 # a correct sampler fails 0.1% of runs. Negative control: always-accepted drafts fail.
 def test_sampled_tokens_keep_the_target_distribution(engine, constant_target):
-    from tests.vllm.test_stage_a import NUM_REQUESTS, NUM_TOKENS, _bins, _same_distribution
-    head = two_token_head_dir(constant_target, specplug=SPECPLUG_STAGE_B)
+    from tests.vllm.test_stage_chain import NUM_REQUESTS, NUM_TOKENS, _bins, _same_distribution
+    head = two_token_head_dir(constant_target, specplug=SPECPLUG_TREE_SECTION)
     llm = engine(constant_target, head, num_spec_tokens=BUDGET)
     sampling = [params(max_tokens=NUM_TOKENS, temperature=0.8, seed=s) for s in range(NUM_REQUESTS)]
     prompts = [PROMPTS[s % 8] for s in range(NUM_REQUESTS)]
@@ -274,12 +274,12 @@ def test_kv_layout_self_test_passes_here_and_catches_a_changed_layout(monkeypatc
 def test_stage_from_config_and_env():
     from specplug.vllm_eagle3.settings import adapter_settings, check_num_speculative_tokens
 
-    assert adapter_settings(SPECPLUG_STAGE_B, environ={}).stage == "tree"
-    assert adapter_settings(SPECPLUG_STAGE_B, environ={"SPECPLUG_STAGE": "chain"}).stage == "chain"
+    assert adapter_settings(SPECPLUG_TREE_SECTION, environ={}).stage == "tree"
+    assert adapter_settings(SPECPLUG_TREE_SECTION, environ={"SPECPLUG_STAGE": "chain"}).stage == "chain"
     assert adapter_settings({"tree": TREE}, environ={"SPECPLUG_STAGE": "tree"}).stage == "tree"
     with pytest.raises(ValueError, match="stage must be one of"):
         adapter_settings({}, environ={"SPECPLUG_STAGE": "forest"})
-    settings = adapter_settings(SPECPLUG_STAGE_B, environ={})
+    settings = adapter_settings(SPECPLUG_TREE_SECTION, environ={})
     check_num_speculative_tokens(settings, BUDGET)
     with pytest.raises(ValueError, match='"num_speculative_tokens": 6'):
         check_num_speculative_tokens(settings, 3)
@@ -294,7 +294,7 @@ def test_budget_and_num_speculative_tokens_disagree_at_start(target, tree_head):
             speculative_config={"method": "eagle3", "model": str(tree_head), "num_speculative_tokens": 3})
 
 
-def test_bench_runs_stage_b_as_specplug_tree(target, tree_head, monkeypatch):
+def test_bench_runs_stage_tree_as_specplug_tree(target, tree_head, monkeypatch):
     import json
     from pathlib import Path
 
