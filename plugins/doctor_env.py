@@ -237,7 +237,7 @@ def quantized(fmt: str) -> dict:
     head on this CPU (their kernels are CPU ones)."""
     import torch
 
-    from specplug.common.drafting import int4, int8
+    from specplug.common.quantization import int4, int8
 
     check = int8.unsupported_reason if fmt == "int8" else int4.unsupported_reason
     reason = check(torch.bfloat16, "cpu")

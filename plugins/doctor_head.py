@@ -290,7 +290,7 @@ def _weights_reason(head, fmt: str, target: str | None) -> str | None:
     target's when known) on this machine's device."""
     import torch
 
-    from specplug.common.drafting.int8 import eagle3_reason
+    from specplug.common.quantization.head_linears import eagle3_reason
 
     if head.method != "eagle3":
         return f"an {head.method.upper()} head has no {fmt} path"

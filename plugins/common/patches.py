@@ -17,7 +17,7 @@ A `PatchSet` holds one engine's patches and their state in this process: `check`
 the target match, patching nothing), `apply` (once per process; a target that does not
 match is refused with a WARNING naming what was expected and found, never patched),
 `undo`, `report` (for `specplug doctor`) and `markdown` (docs/architecture.md's table:
-`python -m specplug.common.patches --markdown`).
+`python -m specplug.patch_list --markdown`).
 
 Standard library only, and engine-free: engine modules are imported by name when a
 patch is checked or applied.
@@ -25,16 +25,12 @@ patch is checked or applied.
 
 from __future__ import annotations
 
-import argparse
-import importlib
 import inspect
 import logging
 import pkgutil
-import sys
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 logger = logging.getLogger(__name__)
@@ -45,8 +41,7 @@ ACTIVE = "active"  # applied by the adapter's register() when it activates
 STAY_OUT = "stay out"  # applied by register() only when specplug stays out
 MARK = "__specplug_patch__"  # set on every value a patch installs: its patch's name
 # The adapters' patch declarations (engine-free modules), for the CLI below
-ADAPTER_PATCHES = ("specplug.vllm_eagle3.patches", "specplug.sglang_medusa.patches")
-BEGIN, END = "<!-- patches:begin (generated: python -m specplug.common.patches --markdown) -->", "<!-- patches:end -->"
+BEGIN, END = "<!-- patches:begin (generated: python -m specplug.patch_list --markdown) -->", "<!-- patches:end -->"
 
 
 class PatchRefused(RuntimeError):
@@ -422,11 +417,6 @@ def markdown(patch_sets: Iterable[PatchSet]) -> str:
     return "\n\n".join(f"#### {s.engine}\n\n{s.markdown()}" for s in patch_sets)
 
 
-def adapter_patch_sets(modules: Iterable[str] = ADAPTER_PATCHES) -> list[PatchSet]:
-    """The PATCHES of each adapter's declaration module (engine-free: no engine is imported)."""
-    return [importlib.import_module(m).PATCHES for m in modules]
-
-
 def docs_block(text: str) -> str | None:
     """The generated block of a document (between BEGIN and END), None without one."""
     if BEGIN not in text or END not in text:
@@ -479,23 +469,3 @@ def _put_back(owner, attr: str, had_own: bool, raw) -> None:
         setattr(owner, attr, raw)
     elif attr in _own_vars(owner):
         delattr(owner, attr)
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m specplug.common.patches",
-                                     description="specplug's engine patches (no engine is imported).")
-    parser.add_argument("--markdown", action="store_true", help="print the tables of docs/architecture.md (default: on unless --update is given)")
-    parser.add_argument("--update", metavar="FILE", default=None,
-                        help=f"rewrite FILE's block between {BEGIN!r} and {END!r} (default: none)")
-    args = parser.parse_args(argv)
-    block = markdown(adapter_patch_sets())
-    if args.update:
-        path = Path(args.update)
-        path.write_text(with_block(path.read_text(), block))
-    if args.markdown or not args.update:
-        print(block)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -39,7 +39,7 @@ from sglang.srt.arg_groups.overrides import resolving_view
 from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode
 
 from specplug.common.drafting.eagle import Committed, EagleDrafting, Root
-from specplug.common.drafting import int8
+from specplug.common.quantization import head_linears
 from specplug.common.drafting.runner import TorchHeadRunner
 from specplug.common.drafting.sampled import SampledDrafts, sampled_tree
 from specplug.common.drafting.session import DraftingSession, in_batch_order
@@ -123,8 +123,8 @@ class Eagle3Worker(TreeVerifyWorker):
 
     def _use_quantized_weights(self, head, fmt: str) -> None:
         """The section's "head_weights": an EAGLE-3 head's linears after fc with int8 or int4 weights."""
-        reason = f"an EAGLE-1 head has no {fmt} path" if head.KIND != "EAGLE-3" else int8.swap_linears(
-            head, int8.EAGLE3_MODULES, fmt)
+        reason = f"an EAGLE-1 head has no {fmt} path" if head.KIND != "EAGLE-3" else head_linears.swap_linears(
+            head, head_linears.EAGLE3_MODULES, fmt)
         if reason is None:
             logger.info("SPECPLUG_EAGLE3: head %s runs its linears with %s weights (\"head_weights\")",
                         self.settings.head_path, fmt)

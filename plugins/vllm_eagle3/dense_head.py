@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from specplug.common.drafting import int8
+from specplug.common.quantization import head_linears
 from specplug.common.drafting.runner import DraftStep, Segment, masked_attention
 from specplug.vllm_eagle3.patches import LINEAR_QUANT_METHOD, LM_HEAD_QUANT_METHOD, PATCHES
 from specplug.common.heads.eagle3 import split_kv, stack_kv
@@ -176,7 +176,7 @@ class _QuantMethod:
 
 
 def eagle3_linears(model) -> dict:
-    """The vLLM EAGLE-3 draft model's linear modules by role (int8.EAGLE3_LINEARS)."""
+    """The vLLM EAGLE-3 draft model's linear modules by role (head_linears.EAGLE3_LINEARS)."""
     layer = model.model.layers[0]
     return {"qkv": layer.self_attn.qkv_proj, "o": layer.self_attn.o_proj,
             "gate_up": layer.mlp.gate_up_proj, "down": layer.mlp.down_proj, "lm_head": model.lm_head}
@@ -202,11 +202,11 @@ def use_quantized_weights(model, state, fmt: str = "int8", target_model=None) ->
     norm = model.model.layers[0].input_layernorm.weight  # norms are never packed
     dtype = norm.dtype
     try:
-        weights = int8.eagle3_weights(state, fmt, dtype, norm.device)
+        weights = head_linears.eagle3_weights(state, fmt, dtype, norm.device)
     except ValueError as exc:  # e.g. a checkpoint without its own lm_head, or widths the format cannot take
         return str(exc)
     for role, module in modules.items():
-        reason = int8.mismatch(f"vLLM's {role}", weights[role], lambda x, m=module: m.quant_method.apply(m, x), dtype)
+        reason = head_linears.mismatch(f"vLLM's {role}", weights[role], lambda x, m=module: m.quant_method.apply(m, x), dtype)
         if reason is not None:
             return reason
     for role, module in modules.items():

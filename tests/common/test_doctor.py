@@ -17,7 +17,7 @@ import specplug
 from specplug import doctor_env, testbed_heads
 from specplug.cli import main
 from specplug.common import formats, testbed
-from specplug.common.drafting import int4, int8
+from specplug.common.quantization import int4, int8
 from specplug.common.patches import WRAP, Expect, Patch, PatchSet, value
 
 EAGLE3_HEAD = testbed_heads.ROOT / "smollm2-eagle3"

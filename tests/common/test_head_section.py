@@ -288,9 +288,9 @@ def test_read_section(tmp_path):
 
 
 def test_legacy_readers_are_the_schemas():
-    from specplug.common.drafting import int8, sampled
+    from specplug.common.drafting import sampled
     from specplug.common.policy.adaptive import adaptive_flag
 
-    assert int8.head_weights({"head_int8": True}, {}) == "int8"
+    assert hs.head_weights({"head_int8": True}, {}) == "int8"
     assert sampled.draft_temperature({"draft_temperature": 0.5}, {"SPECPLUG_DRAFT_TEMPERATURE": "0"}) is None
     assert adaptive_flag({"adaptive": True}, {}) and not adaptive_flag({}, {})

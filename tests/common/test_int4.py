@@ -1,4 +1,4 @@
-"""Weight-only int4 for draft heads (specplug.common.drafting.int4): quantization within
+"""Weight-only int4 for draft heads (specplug.common.quantization.int4): quantization within
 half a step of each group, the kernel equal to the dequantized matmul, a check that
 tells the right weights from others, refusal where the kernel cannot run, the swap of
 specplug's own head, and the section's "head_weights"."""
@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specplug.common.drafting import int4, int8
+from specplug.common import head_section
+from specplug.common.quantization import head_linears, int4
 from tests.common.test_int8 import _head, _logits
 
 
@@ -25,7 +26,7 @@ def test_quantize_is_within_half_a_step_per_group():
     assert bool(((int4.dequantize(w) - w).abs() <= scale / 2 + slack + 1e-6).all())
     assert bool((int4.dequantize(w)[7].abs() < 1e-6).all())
     x = torch.randn(5, 256)
-    assert int8.relative_error(q.apply(x), x.to(torch.bfloat16).float() @ int4.dequantize(w).T) < 1e-2
+    assert head_linears.relative_error(q.apply(x), x.to(torch.bfloat16).float() @ int4.dequantize(w).T) < 1e-2
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -38,16 +39,16 @@ def test_int4_linear_equals_the_dequantized_matmul(dtype, rows):
     out = int4.quantize(w).apply(x)
     assert out.shape == (2, rows, 48) and out.dtype == dtype
     expected = x.to(torch.bfloat16).float() @ int4.dequantize(w).T
-    assert int8.relative_error(out, expected) < 1e-2
+    assert head_linears.relative_error(out, expected) < 1e-2
 
 
 def test_the_check_tells_the_right_weights_from_others():
-    """The engines' check (int8.mismatch) with int4's own tolerance: the right weight is
+    """The engines' check (head_linears.mismatch) with int4's own tolerance: the right weight is
     within it, another weight of the same shape is far outside (negative control)."""
     torch.manual_seed(2)
     w, other = torch.randn(64, 192) / 14, torch.randn(64, 192) / 14
-    assert int8.mismatch("w", int4.quantize(w), lambda x: x @ w.T, torch.float32) is None
-    reason = int8.mismatch("w", int4.quantize(other), lambda x: x @ w.T, torch.float32)
+    assert head_linears.mismatch("w", int4.quantize(w), lambda x: x @ w.T, torch.float32) is None
+    reason = head_linears.mismatch("w", int4.quantize(other), lambda x: x @ w.T, torch.float32)
     assert reason is not None and "not the same weights" in reason
 
 
@@ -67,9 +68,9 @@ def test_eagle3_weights_refuse_widths_the_int4_packing_cannot_take():
 
     state = _eagle3_state(vocab=100)  # lm_head N = 100: not a multiple of 16
     with pytest.raises(ValueError, match="multiples of 16"):
-        int8.eagle3_weights(state, "int4")
-    assert int8.eagle3_weights(state, "int8")["lm_head"].shape == (100, 64)
-    assert isinstance(int8.eagle3_weights(_eagle3_state(), "int4")["lm_head"], int4.Int4Weight)
+        head_linears.eagle3_weights(state, "int4")
+    assert head_linears.eagle3_weights(state, "int8")["lm_head"].shape == (100, 64)
+    assert isinstance(head_linears.eagle3_weights(_eagle3_state(), "int4")["lm_head"], int4.Int4Weight)
 
 
 def test_swap_linears_runs_specplugs_own_head_in_int4():
@@ -79,26 +80,26 @@ def test_swap_linears_runs_specplugs_own_head_in_int4():
     loaded; a head whose widths the kernel refuses is left as it was."""
     head, reference = _head(), _head()
     with torch.no_grad():
-        for name in int8.EAGLE3_MODULES:
+        for name in head_linears.EAGLE3_MODULES:
             linear = reference.get_submodule(name)
             linear.weight.copy_(int4.dequantize(linear.weight))
-    assert int8.swap_linears(head, int8.EAGLE3_MODULES, "int4") is None
+    assert head_linears.swap_linears(head, head_linears.EAGLE3_MODULES, "int4") is None
     assert isinstance(head.lm_head.quantized, int4.Int4Weight)
     assert isinstance(head.fc, torch.nn.Linear)
-    assert int8.relative_error(_logits(head), _logits(reference)) < 0.03
+    assert head_linears.relative_error(_logits(head), _logits(reference)) < 0.03
     narrow = _head(hidden=32)
-    assert "multiples of 64" in int8.swap_linears(narrow, int8.EAGLE3_MODULES, "int4")
-    assert not any(isinstance(m, int8.QuantLinear) for m in narrow.modules())
+    assert "multiples of 64" in head_linears.swap_linears(narrow, head_linears.EAGLE3_MODULES, "int4")
+    assert not any(isinstance(m, head_linears.QuantLinear) for m in narrow.modules())
 
 
 def test_head_weights_setting():
-    assert int8.head_weights({}, {}) == "float"
-    assert int8.head_weights({"head_int8": True}, {}) == "int8"
-    assert int8.head_weights({"head_weights": "int4"}, {}) == "int4"
-    assert int8.head_weights({"head_weights": "int4", "head_int8": True}, {}) == "int4"
-    assert int8.head_weights({"head_weights": "int4"}, {int8.ENV_HEAD_WEIGHTS: "float"}) == "float"
-    assert int8.head_weights({"head_weights": "int4"}, {int8.ENV_HEAD_INT8: "1"}) == "int8"  # the older switch
+    assert head_section.head_weights({}, {}) == "float"
+    assert head_section.head_weights({"head_int8": True}, {}) == "int8"
+    assert head_section.head_weights({"head_weights": "int4"}, {}) == "int4"
+    assert head_section.head_weights({"head_weights": "int4", "head_int8": True}, {}) == "int4"
+    assert head_section.head_weights({"head_weights": "int4"}, {head_section.ENV_HEAD_WEIGHTS: "float"}) == "float"
+    assert head_section.head_weights({"head_weights": "int4"}, {head_section.ENV_HEAD_INT8: "1"}) == "int8"  # the older switch
     with pytest.raises(ValueError, match="head_weights"):
-        int8.head_weights({"head_weights": "fp8"}, {})
-    with pytest.raises(ValueError, match=int8.ENV_HEAD_WEIGHTS):
-        int8.head_weights({}, {int8.ENV_HEAD_WEIGHTS: "int3"})
+        head_section.head_weights({"head_weights": "fp8"}, {})
+    with pytest.raises(ValueError, match=head_section.ENV_HEAD_WEIGHTS):
+        head_section.head_weights({}, {head_section.ENV_HEAD_WEIGHTS: "int3"})

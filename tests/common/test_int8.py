@@ -1,4 +1,4 @@
-"""Weight-only int8 for draft heads (specplug.common.drafting.int8): quantization within
+"""Weight-only int8 for draft heads (specplug.common.quantization.int8): quantization within
 half a step, the kernel equal to the dequantized matmul, the EAGLE-3 roles in the
 engines' fused order, and refusal where the kernel cannot run."""
 
@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specplug.common.drafting import int8
+from specplug.common import head_section
+from specplug.common.quantization import head_linears, int8
 
 
 def test_quantize_is_within_half_a_step_per_row():
@@ -32,7 +33,7 @@ def test_int8_linear_equals_the_dequantized_matmul(dtype, rows):
     out = int8.int8_linear(x, q)
     assert out.shape == (2, rows, 40) and out.dtype == dtype
     expected = x.to(torch.bfloat16).float() @ int8.dequantize(q).T
-    assert int8.relative_error(out, expected) < 1e-2
+    assert head_linears.relative_error(out, expected) < 1e-2
 
 
 def test_int8_linear_is_close_to_the_float_layer():
@@ -41,8 +42,8 @@ def test_int8_linear_is_close_to_the_float_layer():
     torch.manual_seed(2)
     w, other = torch.randn(64, 192) / 14, torch.randn(64, 192) / 14
     x = torch.randn(3, 192)
-    assert int8.relative_error(int8.int8_linear(x, int8.quantize(w)), x @ w.T) < int8.MAX_RELATIVE_ERROR / 2
-    assert int8.relative_error(int8.int8_linear(x, int8.quantize(other)), x @ w.T) > 10 * int8.MAX_RELATIVE_ERROR
+    assert head_linears.relative_error(int8.int8_linear(x, int8.quantize(w)), x @ w.T) < int8.MAX_RELATIVE_ERROR / 2
+    assert head_linears.relative_error(int8.int8_linear(x, int8.quantize(other)), x @ w.T) > 10 * int8.MAX_RELATIVE_ERROR
 
 
 def _eagle3_state(hidden=64, heads=2, kv_heads=1, inter=128, vocab=96):
@@ -62,7 +63,7 @@ def test_eagle3_weights_fuse_in_the_engines_order():
     """q|k|v and gate|up, stacked along the outputs as vLLM's and SGLang's fused linears
     hold them; fc stays as loaded (its outlier weights: see EAGLE3_LINEARS)."""
     state = _eagle3_state()
-    weights = int8.eagle3_weights(state)
+    weights = head_linears.eagle3_weights(state)
     assert set(weights) == {"qkv", "o", "gate_up", "down", "lm_head"}
     qkv = int8.dequantize(weights["qkv"])
     q, k = state["midlayer.self_attn.q_proj.weight"], state["midlayer.self_attn.k_proj.weight"]
@@ -77,7 +78,7 @@ def test_eagle3_weights_name_what_is_missing():
     state = _eagle3_state()
     del state["midlayer.mlp.up_proj.weight"]
     with pytest.raises(ValueError, match="up_proj.*formats.load_head"):
-        int8.eagle3_weights(state)
+        head_linears.eagle3_weights(state)
 
 
 def test_unsupported_reasons():
@@ -114,16 +115,16 @@ def test_swap_linears_runs_specplugs_own_head_in_int8():
     logits stay within a few percent, fc stays as loaded."""
     head = _head()
     before = _logits(head)
-    assert int8.swap_linears(head, int8.EAGLE3_MODULES) is None
-    assert isinstance(head.lm_head, int8.QuantLinear) and isinstance(head.midlayer.mlp.up_proj, int8.QuantLinear)
+    assert head_linears.swap_linears(head, head_linears.EAGLE3_MODULES) is None
+    assert isinstance(head.lm_head, head_linears.QuantLinear) and isinstance(head.midlayer.mlp.up_proj, head_linears.QuantLinear)
     assert isinstance(head.fc, torch.nn.Linear)
-    assert int8.relative_error(_logits(head), before) < 0.03
+    assert head_linears.relative_error(_logits(head), before) < 0.03
 
 
 def test_swap_linears_refuses_and_changes_nothing():
     narrow = _head(hidden=32)  # K = 32: the kernel's block rule
-    assert "multiples of 64" in int8.swap_linears(narrow, int8.EAGLE3_MODULES)
-    assert not any(isinstance(m, int8.QuantLinear) for m in narrow.modules())
+    assert "multiples of 64" in head_linears.swap_linears(narrow, head_linears.EAGLE3_MODULES)
+    assert not any(isinstance(m, head_linears.QuantLinear) for m in narrow.modules())
 
 
 def test_swap_linears_refuses_fc_like_outlier_rows():
@@ -135,7 +136,7 @@ def test_swap_linears_refuses_fc_like_outlier_rows():
     module.first = torch.nn.Linear(128, 64, bias=False)  # fine on its own
     module.proj = torch.nn.Linear(4096, 16, bias=False)
     module.proj.weight.data[:, 0] = 10.0
-    reason = int8.swap_linears(module, ["first", "proj"])
+    reason = head_linears.swap_linears(module, ["first", "proj"])
     assert reason is not None and "proj" in reason and "outlier" in reason
     assert type(module.first) is torch.nn.Linear and type(module.proj) is torch.nn.Linear
 
@@ -150,16 +151,16 @@ def test_swap_linears_checks_the_weights_not_the_bias():
     x = torch.randn(4, 128)
     with torch.no_grad():
         before = module.qkv(x)
-    assert int8.swap_linears(module, ["qkv"]) is None
-    assert isinstance(module.qkv, int8.QuantLinear)
+    assert head_linears.swap_linears(module, ["qkv"]) is None
+    assert isinstance(module.qkv, head_linears.QuantLinear)
     with torch.no_grad():
-        assert int8.relative_error(module.qkv(x), before) < int8.MAX_RELATIVE_ERROR
+        assert head_linears.relative_error(module.qkv(x), before) < int8.MAX_RELATIVE_ERROR
 
 
-def test_head_int8_flag():
-    assert not int8.head_int8_flag({}, {})
-    assert int8.head_int8_flag({"head_int8": True}, {})
-    assert not int8.head_int8_flag({"head_int8": True}, {int8.ENV_HEAD_INT8: "0"})
-    assert int8.head_int8_flag({}, {int8.ENV_HEAD_INT8: "1"})
-    with pytest.raises(ValueError, match=int8.ENV_HEAD_INT8):
-        int8.head_int8_flag({}, {int8.ENV_HEAD_INT8: "maybe"})
+def test_head_int8_is_the_older_switch_for_int8_head_weights():
+    assert head_section.head_weights({}, {}) == "float"
+    assert head_section.head_weights({"head_int8": True}, {}) == "int8"
+    assert head_section.head_weights({"head_int8": True}, {head_section.ENV_HEAD_INT8: "0"}) == "float"
+    assert head_section.head_weights({}, {head_section.ENV_HEAD_INT8: "1"}) == "int8"
+    with pytest.raises(ValueError, match=head_section.ENV_HEAD_INT8):
+        head_section.head_weights({}, {head_section.ENV_HEAD_INT8: "maybe"})

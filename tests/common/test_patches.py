@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from specplug.common import patches
+from specplug.patch_list import adapter_patch_sets
 from specplug.common.patches import (
     ACTIVE, INSTANCE, REGISTERED, REPLACE, STAY_OUT, WRAP, Expect, Patch, PatchRefused, PatchSet, value,
 )
@@ -216,9 +217,9 @@ def test_adapters_derive_their_patch_sites_from_the_registry():
 
 def test_docs_table_is_the_registry():
     """docs/architecture.md's patch tables are generated: rerun
-    `python -m specplug.common.patches --update docs/architecture.md` after changing a patch."""
+    `python -m specplug.patch_list --update docs/architecture.md` after changing a patch."""
     text = (ROOT / "docs" / "architecture.md").read_text()
-    assert patches.docs_block(text) == patches.markdown(patches.adapter_patch_sets()), (
+    assert patches.docs_block(text) == patches.markdown(adapter_patch_sets()), (
         "docs/architecture.md's patch table differs from the registry: run "
-        "python -m specplug.common.patches --update docs/architecture.md")
+        "python -m specplug.patch_list --update docs/architecture.md")
     assert patches.with_block(text, patches.docs_block(text)) == text

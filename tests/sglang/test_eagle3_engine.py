@@ -68,9 +68,9 @@ def reference_run(target_dir, head_dir, prompts, tree, weights="float") -> list:
     target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
     head = load_head_module(head_dir)
     if weights != "float":
-        from specplug.common.drafting import int8
+        from specplug.common.quantization import head_linears
 
-        assert int8.swap_linears(head, int8.EAGLE3_MODULES, weights) is None
+        assert head_linears.swap_linears(head, head_linears.EAGLE3_MODULES, weights) is None
     if head.KIND == "EAGLE-1":
         head.set_target(target)  # its lm_head too
     else:

@@ -44,7 +44,7 @@ def test_quantized_head_weights_match_no_speculation_and_the_quantized_reference
                                                                                         setting):
     """"head_weights" (int8 through the older "head_int8"): greedy output equals SGLang
     without speculation, and the reference loop with the same quantized linears
-    (drafting.int8.swap_linears) step for step, so the worker drafted with them."""
+    (quantization.head_linears.swap_linears) step for step, so the worker drafted with them."""
     head = tiny_head_dir(sgl_model, specplug={"version": 1, "method": "eagle3", "tree": TREE, **setting})
     with sglang_engine(sgl_model, speculative_algorithm=ALGORITHM, speculative_draft_model_path=str(head)) as engine:
         run = greedy_run(engine, PROMPTS, GREEDY)

@@ -1,5 +1,5 @@
 """"head_weights": the EAGLE-3 head's linears run with int8 or int4 weights inside vLLM
-(specplug.common.drafting.int8 / int4 through dense_head.use_quantized_weights).
+(specplug.common.quantization.int8 / int4 through dense_head.use_quantized_weights).
 
 Greedy output equals vLLM without speculation; the swap happens only for the head's own
 weights (another head's weights of the same shapes are refused, nothing changed) and
@@ -12,7 +12,7 @@ import pytest
 pytest.importorskip("vllm", reason="needs the vLLM environment: bash scripts/test.sh vllm")
 
 from specplug.common import formats  # noqa: E402
-from specplug.common.drafting import int4, int8  # noqa: E402
+from specplug.common.quantization import int4, int8# noqa: E402
 from specplug.vllm_eagle3.dense_head import _QuantMethod, eagle3_linears, use_quantized_weights  # noqa: E402
 from tests.vllm.conftest import PROMPTS, SPECPLUG_CHAIN, drafter_of  # noqa: E402
 from tests.vllm.test_stage_chain import params, run, token_ids  # noqa: E402

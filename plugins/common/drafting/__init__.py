@@ -8,8 +8,8 @@ loaded (vLLM: `specplug.vllm_eagle3.dense_head.DenseEagle3Head` and `DenseEagle1
 - `eagle`: EAGLE-1/3 drafting state for live requests (`EagleDrafting`): head KV per
   request, catch-up over committed rows, roll-back, deferred rows, dynamic or sampled trees.
 - `sampled`: `SampledDrafts`, trees drawn from q for every model-backed drafter.
-- `int8`: weight-only int8 for a head's linears on a CPU, and what both formats share
-  (the section's "head_weights", the EAGLE-3 roles, the check against the float layer,
-  the swap for specplug's own head).
-- `int4`: weight-only int4 in groups of 64 inputs (half of int8's bytes).
+- `session`: `DraftingSession`, each request's drafting decisions across steps (sampled
+  drafts or top-k, hybrid merging with a token drafter, the step record the verifier reads).
+
+A head's int8 / int4 linears are specplug.common.quantization's.
 """

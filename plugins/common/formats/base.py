@@ -53,3 +53,18 @@ class SaveReport:
     files: list[str]
     dropped: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+
+
+def _config_int(config: dict, key: str, where: str, default: Any = None) -> int:
+    value = config.get(key, default)
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise CheckpointError(key, "a positive int", repr(value), where,
+                              f"set {key} in config.json (copy it from the config the head was trained with)")
+    return value
+
+
+def _where(head: LoadedHead, name: str | None = None) -> str:
+    base = head.path or "in-memory head"
+    if name is None:
+        return f"config.json of {base}"
+    return f"{head.tensor_files.get(name, 'weights')} of {base}"

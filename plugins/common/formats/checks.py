@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from . import eagle1 as formats_eagle1
-from .base import CheckpointError, LoadedHead, NUM_AUX_HIDDEN_STATES
+from .base import NUM_AUX_HIDDEN_STATES, CheckpointError, LoadedHead, _config_int, _where
 from .files import _checkpoint_dir, _read_config
 
 logger = logging.getLogger(__name__)
@@ -47,14 +47,6 @@ def target_dims(target_config: Any) -> TargetDims:
     dtype = cfg.get("torch_dtype") or cfg.get("dtype")
     return TargetDims(int(cfg["hidden_size"]), int(cfg["vocab_size"]), int(cfg["num_hidden_layers"]),
                       str(dtype).replace("torch.", "") if dtype else None, where)
-
-
-def _config_int(config: dict, key: str, where: str, default: Any = None) -> int:
-    value = config.get(key, default)
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise CheckpointError(key, "a positive int", repr(value), where,
-                              f"set {key} in config.json (copy it from the config the head was trained with)")
-    return value
 
 
 def _eagle3_aux_ids(config: dict) -> list[int] | None:
@@ -158,13 +150,6 @@ def _check_medusa_counts(state: dict, heads: int, layers: int, where: str) -> No
         raise CheckpointError("medusa_num_layers", f"{layers} residual blocks per head (vocab projection "
                               f"named {{head}}.{layers}.weight)", f"vocab projections at layer index {lm}",
                               where, "set medusa_num_layers to the number of residual blocks the weights hold")
-
-
-def _where(head: LoadedHead, name: str | None = None) -> str:
-    base = head.path or "in-memory head"
-    if name is None:
-        return f"config.json of {base}"
-    return f"{head.tensor_files.get(name, 'weights')} of {base}"
 
 
 def _check_keys(head: LoadedHead, required: dict, optional: dict) -> None:

@@ -20,7 +20,7 @@ modules import each other.)
 from __future__ import annotations
 
 import copy
-from specplug.common import formats as base
+from .base import CheckpointError, LoadedHead, _config_int, _where
 
 LAYER = "layers.0."
 # Names only an EAGLE-3 layer has; in an EAGLE-1 layout they mean a mislabelled checkpoint.
@@ -39,19 +39,19 @@ def parse(config: dict, tensors: dict) -> tuple[dict, dict, dict]:
     return copy.deepcopy(config), dict(tensors), {}
 
 
-def expected(head: base.LoadedHead) -> tuple[dict, dict]:
+def expected(head: LoadedHead) -> tuple[dict, dict]:
     """(required, optional) tensor name -> shape implied by an EAGLE-1 config."""
-    config, where = head.config, base.checks._where(head)
+    config, where = head.config, _where(head)
     if config.get("num_hidden_layers", 1) != 1:
-        raise base.CheckpointError("num_hidden_layers", 1, config["num_hidden_layers"], where,
+        raise CheckpointError("num_hidden_layers", 1, config["num_hidden_layers"], where,
                                    "specplug's EAGLE-1 head has one decoder layer (layers.0); use a 1-layer head")
     _refuse_eagle3_names(head)
-    h = base.checks._config_int(config, "hidden_size", where)
-    heads = base.checks._config_int(config, "num_attention_heads", where)
-    kv = base.checks._config_int(config, "num_key_value_heads", where, heads)
-    head_dim = base.checks._config_int(config, "head_dim", where, h // heads)
-    inter = base.checks._config_int(config, "intermediate_size", where)
-    vocab = base.checks._config_int(config, "vocab_size", where)
+    h = _config_int(config, "hidden_size", where)
+    heads = _config_int(config, "num_attention_heads", where)
+    kv = _config_int(config, "num_key_value_heads", where, heads)
+    head_dim = _config_int(config, "head_dim", where, h // heads)
+    inter = _config_int(config, "intermediate_size", where)
+    vocab = _config_int(config, "vocab_size", where)
     required = {f"{LAYER}self_attn.q_proj.weight": (heads * head_dim, h),
                 f"{LAYER}self_attn.k_proj.weight": (kv * head_dim, h),
                 f"{LAYER}self_attn.v_proj.weight": (kv * head_dim, h),
@@ -72,27 +72,27 @@ def expected(head: base.LoadedHead) -> tuple[dict, dict]:
     return required, optional
 
 
-def _refuse_eagle3_names(head: base.LoadedHead) -> None:
+def _refuse_eagle3_names(head: LoadedHead) -> None:
     found = [n for n in _EAGLE3_NAMES if n in head.state_dict]
     if found:
-        raise base.CheckpointError(
+        raise CheckpointError(
             f"tensor {found[0]}", "absent: EAGLE-1's layer 0 reads fc's output with no input norm",
-            "present (an EAGLE-3 layer name)", base.checks._where(head, found[0]),
+            "present (an EAGLE-3 layer name)", _where(head, found[0]),
             "an EAGLE-3 head in speculators layout needs its speculators config.json "
             "(speculators_model_type) next to the weights; other EAGLE-1 variants are not supported")
 
 
-def _check_fc(head: base.LoadedHead, h: int) -> None:
+def _check_fc(head: LoadedHead, h: int) -> None:
     """fc.weight [H, 2H]: a [H, 3H] fc is an EAGLE-3 head in the wrong folder or config."""
     fc = head.state_dict.get("fc.weight")
     if fc is not None and tuple(fc.shape) != (h, 2 * h):
-        raise base.CheckpointError(
+        raise CheckpointError(
             "tensor fc.weight shape", f"[{h}, {2 * h}] (EAGLE-1 fuses [embedding ; feature] of hidden_size {h})",
-            list(fc.shape), base.checks._where(head, "fc.weight"),
+            list(fc.shape), _where(head, "fc.weight"),
             "use the config.json the head was trained with; an fc over 3 hidden states is an EAGLE-3 head")
 
 
-def build_module(head: base.LoadedHead):
+def build_module(head: LoadedHead):
     """The Eagle1Head of a validated head (attach the target with `set_target(model)`)."""
     from specplug.common.heads.eagle1 import Eagle1Config, Eagle1Head
     return Eagle1Head.from_state_dict(Eagle1Config.from_dict(head.config), head.state_dict)

@@ -1,40 +1,18 @@
-"""Weight-only int8 for a draft head's linear layers on a CPU.
+"""Which linears of an EAGLE-3 head run with quantized weights, and the swap.
 
-At batch 1 a head step multiplies one or two rows by each of its weight matrices, right
-after the target's forward has pushed them out of the cache, so the step is paid in
-weight reads and in widening bf16, not in arithmetic. Stored as int8 with one scale per
-output channel (symmetric: w[n, k] ~ scale[n] * q[n, k], q in [-127, 127]), the weights
-are a quarter of fp32's bytes (half of bf16's), and torch's `_weight_int8pack_mm` widens
-them in registers, with the activations rounded to bf16 for it: the EAGLE-3 test-bed
-head's five linears after fc, one row, cache cold, 2.5 ms with vLLM-CPU's oneDNN fp32
-GEMM against 1.05 ms (docs/tuning.md, "Head weights: int8 and int4").
-
-Only drafts change: verification never sees the head, so output is unchanged; the
-head's acceptance may move a little (measured in the same section).
-
-Invariant: `int8_linear(x, quantize(w))` equals `x @ dequantize(quantize(w)).T` up to
-rounding x to bf16, and every entry of `dequantize(quantize(w))` lies within half a
-step (scale / 2) of w's.
-
-This module also holds what both weight formats share (`int4` is the other): the platform
-check and rounded-up bf16 scales, the EAGLE-3 roles, the check of a copy against its
-layer, and `swap_linears`. A head section's "head_weights" is specplug.common.head_section's.
+`swap_linears` replaces a module's nn.Linear layers with QuantLinear copies in int8 or
+int4 (specplug.common.quantization.int8 / int4), each first checked against its layer
+(`mismatch`); where one fails or the format cannot run here, nothing changes.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Iterable, Mapping, NamedTuple
+from typing import Callable, Iterable, Mapping
 
 import torch
 from torch import nn
 
-from specplug.common.head_section import ENV_HEAD_INT8, ENV_HEAD_WEIGHTS, WEIGHT_FORMATS  # noqa: F401 (re-exported)
-
-KERNEL_DTYPE = torch.bfloat16  # the activations' dtype inside the int8 kernel (fp32 there is 10x slower)
-ACTIVATION_DTYPES = (torch.bfloat16, torch.float32)
-K_MULTIPLE = 64  # torch 2.13's kernel reads K in blocks: K = 24, 40 crashed it (16, 48 did not); 64 is safe
-QMAX = 127  # symmetric int8: -128 is never used, so negation stays exact
-MAX_RELATIVE_ERROR = 0.05  # an int8 linear further than this from the layer it replaces is a wrong mapping
+from . import int4, int8
 
 # The EAGLE-3 head's linears by role -> canonical checkpoint tensors (specplug.common.formats),
 # concatenated along the output dimension in the order engines fuse them (q|k|v, gate|up).
@@ -54,106 +32,16 @@ EAGLE3_LINEARS = {
 EAGLE3_MODULES = tuple(name.removesuffix(".weight") for names in EAGLE3_LINEARS.values() for name in names)
 
 
-class Int8Weight(NamedTuple):
-    """A linear layer's weight [N, K] as int8 rows and one scale per row."""
-
-    weight: torch.Tensor  # Int8 [N, K]
-    scale: torch.Tensor  # bf16 [N]
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        return tuple(self.weight.shape)
-
-    def apply(self, x: torch.Tensor) -> torch.Tensor:
-        return int8_linear(x, self)
-
-    def max_relative_error(self) -> float:
-        return MAX_RELATIVE_ERROR
-
-
-def head_int8_flag(section: Mapping, environ: Mapping[str, str]) -> bool:
-    """A head section's older "head_int8" (default false), SPECPLUG_HEAD_INT8 overriding
-    (specplug.common.head_section reads it as "head_weights": "int8")."""
-    from specplug.common import head_section
-
-    return head_section.flag(section, "head_int8", environ, ENV_HEAD_INT8, "int8 head weights")
-
-
-def head_weights(section: Mapping, environ: Mapping[str, str]) -> str:
-    """How a head's linears run (one of WEIGHT_FORMATS): specplug.common.head_section's
-    "head_weights" ("head_int8", SPECPLUG_HEAD_WEIGHTS, SPECPLUG_HEAD_INT8)."""
-    from specplug.common import head_section
-
-    return head_section.head_weights(section, environ)
-
-
-def quantizer(fmt: str) -> Callable[[torch.Tensor], "Int8Weight | int4.Int4Weight"]:
+def quantizer(fmt: str) -> Callable[[torch.Tensor], "int8.Int8Weight | int4.Int4Weight"]:
     """The quantize function of weight format `fmt` ("int8" or "int4")."""
-    from specplug.common.drafting import int4  # int4 reads this module's shared helpers
-
-    return {"int8": quantize, "int4": int4.quantize}[fmt]
+    return {"int8": int8.quantize, "int4": int4.quantize}[fmt]
 
 
 def format_reason(fmt: str, dtype: torch.dtype, device, shapes) -> str | None:
     """Why weights of format `fmt` cannot run for these weight shapes [(N, K)], or None."""
     if fmt == "int4":
-        from specplug.common.drafting import int4
-
         return int4.unsupported_reason(dtype, device, shapes)
-    return unsupported_reason(dtype, device, [k for _, k in shapes])
-
-
-def platform_reason(fmt: str, dtype: torch.dtype, device: torch.device | str) -> str | None:
-    """Why weights of format `fmt` cannot run for a head of `dtype` on `device` (both
-    formats' kernels are CPU ones over bf16 activations), or None."""
-    if torch.device(device).type != "cpu":
-        return f"{fmt} head weights run on a CPU only (the head is on {device})"
-    if dtype not in ACTIVATION_DTYPES:
-        return f"{fmt} head weights need a bf16 or fp32 head (this one is {dtype})"
-    return None
-
-
-def unsupported_reason(dtype: torch.dtype, device: torch.device | str = "cpu", in_features=()) -> str | None:
-    """Why int8 weights cannot run for activations of `dtype` on `device` with these
-    input widths (K of each linear), or None. torch's packed int8 kernel is a CPU one,
-    and it reads past a K that is not a multiple of its block (a segfault, not an error)."""
-    reason = platform_reason("int8", dtype, device)
-    if reason is not None:
-        return reason
-    if not hasattr(torch, "_weight_int8pack_mm"):
-        return f"torch {torch.__version__} has no _weight_int8pack_mm"
-    odd = sorted({k for k in in_features if k % K_MULTIPLE})
-    if odd:
-        return f"int8 head weights need input widths that are multiples of {K_MULTIPLE}, this head has {odd}"
-    return None
-
-
-def quantize(weight: torch.Tensor) -> Int8Weight:
-    """weight [N, K] -> Int8Weight, each row scaled by its largest magnitude / QMAX."""
-    w = weight.detach().float()
-    scale = rounded_up((w.abs().amax(dim=1) / QMAX).clamp(min=torch.finfo(KERNEL_DTYPE).tiny))  # [N]
-    q = torch.round(w / scale.float()[:, None]).clamp(-QMAX, QMAX).to(torch.int8)
-    return Int8Weight(q.contiguous(), scale)
-
-
-def rounded_up(scale: torch.Tensor, dtype: torch.dtype = KERNEL_DTYPE) -> torch.Tensor:
-    """Float scales -> the smallest `dtype` values >= them: the kernel's own scales, and
-    never smaller than needed, so no weight is clamped beyond half a step."""
-    out = scale.to(dtype)
-    low = out.float() < scale
-    return torch.where(low, torch.nextafter(out, torch.full_like(out, float("inf"))), out)
-
-
-def dequantize(w: Int8Weight) -> torch.Tensor:
-    """Float [N, K]: the weight the int8 rows stand for."""
-    return w.weight.float() * w.scale.float()[:, None]
-
-
-def int8_linear(x: torch.Tensor, w: Int8Weight) -> torch.Tensor:
-    """x [..., K] @ W.T -> [..., N] in x's dtype, W = dequantize(w); x is rounded to bf16."""
-    rows = x.reshape(-1, x.shape[-1]).to(KERNEL_DTYPE).contiguous()
-    out = torch._weight_int8pack_mm(rows, w.weight, w.scale)
-    return out.to(x.dtype).view(*x.shape[:-1], out.shape[-1])
+    return int8.unsupported_reason(dtype, device, [k for _, k in shapes])
 
 
 def eagle3_weights(state: Mapping[str, torch.Tensor], fmt: str = "int8", dtype: torch.dtype = torch.float32,

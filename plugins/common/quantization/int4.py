@@ -20,9 +20,8 @@ from typing import NamedTuple
 
 import torch
 
-from specplug.common.drafting.int8 import platform_reason, rounded_up
+from .platform import KERNEL_DTYPE, platform_reason, rounded_up
 
-KERNEL_DTYPE = torch.bfloat16  # activations, scales and zero points inside the kernel
 GROUP = 64  # input columns sharing a scale and zero point
 N_MULTIPLE = 16  # torch's packing refuses other output widths
 LEVELS = 15  # q in [0, LEVELS]; the kernel subtracts 8
