@@ -6,6 +6,8 @@ AssertionError from inside the head's layers."""
 from __future__ import annotations
 
 import json
+import os
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -18,6 +20,7 @@ from specplug.vllm_eagle3.settings import check_head_shards  # noqa: E402
 pytestmark = pytest.mark.vllm
 
 HEAD = find_head()
+ROOT = Path(__file__).resolve().parents[2]
 SHAPE = {"vocab_size": 49152, "draft_vocab_size": 8192, "num_attention_heads": 9, "num_key_value_heads": 3,
          "intermediate_size": 1536}
 REFUSAL = ("the specplug head H cannot be sharded over tensor_parallel_size 3: draft_vocab_size 8192 is not "
@@ -74,3 +77,41 @@ def test_one_rank_decides_alone():
     from specplug.vllm_eagle3.ranks import tp_ranks
 
     assert tp_ranks() is ALONE and AdaptiveController(3).ranks is ALONE
+
+
+def test_the_draft_gate_is_refused_above_one_rank(monkeypatch):
+    monkeypatch.delenv("SPECPLUG_GATE", raising=False)
+    section = {"method": "eagle3", "gate": True}
+    check_head_shards(_speculative_config(1, section))
+    with pytest.raises(ValueError, match=r'specplug "gate" at tensor_parallel_size 3: .*drop "gate" \(or set '
+                                         r"SPECPLUG_GATE=0\), or run with tensor_parallel_size 1"):
+        check_head_shards(_speculative_config(3, section, draft_vocab_size=8256))
+    monkeypatch.setenv("SPECPLUG_GATE", "0")
+    check_head_shards(_speculative_config(3, section, draft_vocab_size=8256))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_a_shardable_head_at_tp_3_keeps_greedy_output():
+    """The test bed at tensor_parallel_size 3 (multiprocess executor, ranks bound to cores
+    0|1|0) with a freshly initialised EAGLE-3 head (draft vocabulary = the target's 49152,
+    which shards), adaptive speculation on: every rank runs rank 0's depth each step (a
+    rank that drafted another depth would run another number of head passes, a collective
+    each, and hang), and greedy output equals the same engine without speculation."""
+    import subprocess
+    import sys
+
+    from specplug.common.testbed import target_dir
+    from specplug.vllm_eagle3.bench_runner import adaptive_head
+    from specplug.vllm_eagle3.demo import untrained_head
+
+    target = target_dir()
+    head = adaptive_head(str(untrained_head(target)))
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
+    proc = subprocess.run([sys.executable, "-m", "tests.support.tp_generate", "--target", str(target), "--tp", "3",
+                           "base", head], capture_output=True, text=True, timeout=840, env=env, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    from tests.support.tp_generate import MARKER
+
+    out = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith(MARKER))[len(MARKER):])
+    assert out[head] == out["base"] and sum(map(len, out["base"])) >= 32  # a prompt may stop early
