@@ -52,8 +52,7 @@ __all__ = [
     "children_table",
     "ancestor_mask",
     "retrieve_paths",
-    "sglang_layout",
-    "flat_tree_masks",
+    "pad_batch",
 ]
 
 
@@ -250,42 +249,6 @@ def children_table(parents: torch.Tensor) -> torch.Tensor:
     return table[:, :n]
 
 
-def sglang_layout(parents: torch.Tensor, num_nodes: torch.Tensor | None = None):
-    """SGLang's verify layout: parents [B, N] (or [N]) -> three Long tensors of the same shape.
-
-    ``retrieve_index[b, i] = b * N + i`` (row of node i in the flattened batch),
-    ``retrieve_next_token[b, i]`` = first child of i, ``retrieve_next_sibling[b, i]``
-    = next sibling of i, both in node-id order, -1 = none. Padding nodes are -1.
-    """
-    single = parents.dim() == 1
-    p = parents.unsqueeze(0) if single else parents
-    bsz, n = p.shape
-    ids = torch.arange(n, device=p.device)
-    real = torch.ones_like(p, dtype=torch.bool) if num_nodes is None else ids < num_nodes.unsqueeze(-1)
-    p = torch.where(real, p, torch.full_like(p, -1))
-    retrieve_index = torch.where(real, ids + n * torch.arange(bsz, device=p.device).unsqueeze(-1), -1)
-    is_child = p.unsqueeze(-2) == ids.view(1, n, 1)  # [B, parent, node]
-    is_child &= ids.view(1, 1, n) > 0
-    big = torch.full_like(p, n).unsqueeze(-2).expand(bsz, n, n)
-    first = torch.where(is_child, ids.view(1, 1, n).expand(bsz, n, n), big).min(-1).values
-    next_token = torch.where(first < n, first, -1)
-    same = (p.unsqueeze(-1) == p.unsqueeze(-2)) & (p.unsqueeze(-1) >= 0)  # [B, node, other]
-    later = ids.view(1, 1, n) > ids.view(1, n, 1)
-    nxt = torch.where(same & later, ids.view(1, 1, n).expand(bsz, n, n), big).min(-1).values
-    next_sibling = torch.where(nxt < n, nxt, -1)
-    out = (retrieve_index, next_token, next_sibling)
-    return tuple(t[0] for t in out) if single else out
-
-
-def flat_tree_masks(trees: Sequence["DraftTree"]) -> torch.Tensor:
-    """The "n x n mask per request" export: Bool [sum(N_b ** 2)], row-major per request.
-
-    This is the flat tree mask SGLang's ngram worker hands to
-    ``reconstruct_indices_from_tree_mask``.
-    """
-    return torch.cat([t.attention_mask().flatten() for t in trees]) if trees else torch.zeros(0, dtype=torch.bool)
-
-
 # --------------------------------------------------------------------------- one tree
 
 
@@ -340,10 +303,6 @@ class DraftTree:
     def retrieve_paths(self) -> torch.Tensor:
         """Long [leaves, max_depth + 1]: node ids root->leaf, -1 padded."""
         return retrieve_paths(self.parents)
-
-    def sglang_layout(self):
-        """(retrieve_index, retrieve_next_token, retrieve_next_sibling), Long [N] each."""
-        return sglang_layout(self.parents)
 
     def choices(self) -> list[list[int]]:
         """Medusa choices of a TEMPLATE tree (tokens = top-k ranks): the rank path of
@@ -407,22 +366,37 @@ def stack_trees(trees: Sequence[DraftTree]) -> TreeBatch:
     return TreeBatch(candidates, parents, num_nodes, scores)
 
 
+def pad_batch(batch: TreeBatch, width: int) -> TreeBatch:
+    """``batch`` with N widened to ``width`` >= N: padding nodes have parents -1, candidates 0,
+    scores -inf and draft_probs 0, and num_nodes is unchanged, so verification never
+    accepts them and ``ancestor_mask`` lets each see only itself."""
+    n = batch.candidates.shape[1]
+    if width < n:
+        raise ValueError(f"pad_batch width {width} is below the batch's {n} nodes: pass width >= {n}")
+
+    def pad(x: torch.Tensor | None, value: float):
+        if x is None or width == n:
+            return x
+        trailing = [0, 0] * (x.dim() - 2)  # F.pad lists the last dim first: pad only dim 1
+        return torch.nn.functional.pad(x, trailing + [0, width - n], value=value)
+
+    return TreeBatch(pad(batch.candidates, 0), pad(batch.parents, -1), batch.num_nodes,
+                     pad(batch.scores, -math.inf), pad(batch.draft_probs, 0.0))
+
+
 def stack_batches(batches: Sequence[TreeBatch]) -> TreeBatch:
-    """Concatenate TreeBatches along the batch, padding N (parents -1, candidates 0,
-    scores -inf, draft_probs 0); scores / draft_probs kept only when every batch has them."""
+    """Concatenate TreeBatches along the batch, padding N (:func:`pad_batch`);
+    scores / draft_probs kept only when every batch has them."""
     if not batches:
         raise ValueError("stack_batches needs at least one TreeBatch, got an empty list")
     n = max(b.candidates.shape[1] for b in batches)
+    padded = [pad_batch(b, n) for b in batches]
 
-    def pad(name: str, value: float):
-        parts = [getattr(b, name) for b in batches]
-        if any(p is None for p in parts):
-            return None
-        trailing = [0, 0] * (parts[0].dim() - 2)  # F.pad lists the last dim first: pad only dim 1
-        return torch.cat([torch.nn.functional.pad(p, trailing + [0, n - p.shape[1]], value=value) for p in parts])
+    def cat(name: str):
+        parts = [getattr(b, name) for b in padded]
+        return None if any(p is None for p in parts) else torch.cat(parts)
 
-    return TreeBatch(pad("candidates", 0), pad("parents", -1), torch.cat([b.num_nodes for b in batches]),
-                     pad("scores", -math.inf), pad("draft_probs", 0.0))
+    return TreeBatch(cat("candidates"), cat("parents"), cat("num_nodes"), cat("scores"), cat("draft_probs"))
 
 
 def chain_batch(num_drafts: Sequence[int], draft_tokens: torch.Tensor) -> TreeBatch:

@@ -9,8 +9,10 @@ step for B requests:
 1. draft: the subclass's tree per request, candidates [B, n] (node 0 = the root, the
    last committed token, whose KV is not yet in the cache), n <= num_nodes.
 2. verify: ONE TARGET_VERIFY forward of the B*n nodes at positions seq_len + depth,
-   each node attending to the prefix and its ancestors (tree mask; on CPU through
-   specplug.sglang_medusa.tree_attention), logits [B*n, V].
+   each node attending to the prefix and its ancestors (tree mask, in the layout the
+   attention backend reads: tree-only for specplug's torch_native hook,
+   specplug.sglang_medusa.tree_attention; prefix-included for triton,
+   specplug.common.sglang_trees), logits [B*n, V].
 3. accept: each node's row processed by the request's rules along its own path
    (penalties, min-new-tokens, logit bias: specplug.common.request_rules), then
    specplug.common.verify_step, which chooses each request's rule (greedy; "coupled",
@@ -23,7 +25,9 @@ step for B requests:
 
 SGLang reserves KV slots for `num_nodes` nodes per request every step
 (speculative_num_draft_tokens); a step with a smaller tree uses the first n of them
-and pads its outputs to width num_nodes, the stride SGLang's bookkeeping reads.
+and pads its outputs to width num_nodes, the stride SGLang's bookkeeping reads. With
+prefix-included masks (`prefix_masks`: the backend reads a fixed width) the trees
+themselves are padded to num_nodes nodes (tree.pad_batch), never accepted.
 Prefill (extend) batches run the plain target forward; SGLang's sampler draws their
 first token, seeded per request for requests with a sampling_seed (_seeded_first_tokens).
 """
@@ -40,10 +44,12 @@ from specplug.common import sampling
 from specplug.common.drafting.session import DraftingSession
 from specplug.common.metrics import AcceptanceStats
 from specplug.common.request_rules import apply_rules
-from specplug.common.tree import DraftTree, TreeBatch, ancestor_mask, sglang_layout, tree_depths
+from specplug.common.sglang_trees import prefix_included_masks, sglang_layout
+from specplug.common.tree import DraftTree, TreeBatch, ancestor_mask, pad_batch, tree_depths
 from specplug.common.verify_step import verify_step
 from specplug.sglang_medusa import batch_view as view
 from specplug.sglang_medusa.request_rules import rules_of
+from specplug.sglang_medusa.spec import check_attention_backends, prefix_masks_needed, server_attention_backends
 
 logger = logging.getLogger(__name__)
 
@@ -66,7 +72,7 @@ SEEDLESS_SAMPLING_BACKENDS = ("flashinfer", "intel_xpu", "ascend")
 def tree_layout(tree: DraftTree, device="cpu") -> dict[str, torch.Tensor]:
     """One static tree's mask Bool [N, N], depths Long [N] and SGLang retrieve links [N],
     on `device` (a worker caches the layouts of its static trees there)."""
-    _, next_token, next_sibling = tree.sglang_layout()
+    _, next_token, next_sibling = sglang_layout(tree.parents)
     layout = {"mask": tree.attention_mask(), "depth": tree.depth, "next_token": next_token,
               "next_sibling": next_sibling}
     return {name: t.to(device) for name, t in layout.items()}
@@ -112,6 +118,7 @@ class TreeVerifyWorker(BaseSpecWorker):
         self.model_runner = target_worker.model_runner
         self.device = self.model_runner.device
         self.num_nodes = num_nodes
+        self.prefix_masks = self._check_attention(server_args)
         self.stats = AcceptanceStats()  # this worker's verify steps, all requests
         self.generator = torch.Generator(device="cpu").manual_seed(int(server_args.random_seed or 0))
         self._unseeded_first_token_reasons: set[str] = set()
@@ -119,6 +126,19 @@ class TreeVerifyWorker(BaseSpecWorker):
     @property
     def draft_worker(self):
         return None
+
+    def _check_attention(self, server_args) -> bool:
+        """Refuse an attention backend not proven to verify trees on this device (spec.py);
+        True when verify steps hand the prefix-included mask (spec.prefix_masks_needed)."""
+        from sglang.srt.arg_groups.overrides import resolving_view
+
+        backends = server_attention_backends(resolving_view(server_args))
+        check_attention_backends(str(self.device), backends, str(server_args.speculative_algorithm))
+        prefix = prefix_masks_needed(backends)
+        if prefix:
+            logger.info("specplug: verify steps hand SGLang prefix-included tree masks, %d nodes per request",
+                        self.num_nodes)
+        return prefix
 
     # ------------------------------------------------------------------ drafter hooks
 
@@ -232,6 +252,9 @@ class TreeVerifyWorker(BaseSpecWorker):
             raise NotImplementedError("specplug's SGLang workers do not support structured output (grammar) "
                                       "requests yet")
         tree, layout = self._draft(batch)
+        if self.prefix_masks:  # SGLang's GPU verify reads num_nodes nodes per request
+            tree = pad_batch(tree, self.num_nodes)
+            layout = batch_layout(tree)
         self._prepare_verify(batch, tree, layout)
         started = time.perf_counter()
         result = self.target_worker.forward_batch_generation(
@@ -285,11 +308,15 @@ class TreeVerifyWorker(BaseSpecWorker):
 
     def _prepare_verify(self, batch, tree: TreeBatch, layout: dict) -> None:
         """Turn the decode batch into a TARGET_VERIFY batch over the B*n tree nodes;
-        layout tensors are one tree's ([n, n], [n]) or per request ([B, n, n], [B, n])."""
+        layout tensors are one tree's ([n, n], [n]) or per request ([B, n, n], [B, n]).
+        The custom mask is tree-only ([B*n*n]) or, with `prefix_masks`, prefix-included
+        ([sum n*(seq_len + n)], common.sglang_trees)."""
         bs, n = tree.candidates.shape
         seq_lens = view.seq_lens(batch)
         depth = layout["depth"].to(self.device).expand(bs, n)
         positions = (seq_lens[:, None].long() + depth).flatten()  # [B*n]
+        masks = layout["mask"].to(self.device).expand(bs, n, n)  # [B, n, n]
+        custom_mask = prefix_included_masks(masks, seq_lens) if self.prefix_masks else masks.flatten()
         retrieve_index = torch.arange(bs * n, device=self.device).view(bs, n)
         batch.forward_mode = ForwardMode.TARGET_VERIFY
         batch.input_ids = tree.candidates.to(self.device).flatten()
@@ -298,7 +325,7 @@ class TreeVerifyWorker(BaseSpecWorker):
             start_offset=seq_lens, end_offset=seq_lens + n, batch_size=bs, draft_token_num=n,
             device=self.device)
         batch.spec_info = NgramVerifyInput(
-            draft_token=batch.input_ids, custom_mask=layout["mask"].to(self.device).expand(bs, n, n).flatten(),
+            draft_token=batch.input_ids, custom_mask=custom_mask,
             positions=positions, retrieve_index=retrieve_index,
             retrieve_next_token=layout["next_token"].to(self.device).expand(bs, n).contiguous(),
             retrieve_next_sibling=layout["next_sibling"].to(self.device).expand(bs, n).contiguous(),

@@ -1,4 +1,4 @@
-"""Tree structure and builders: masks, positions, paths, layouts, optimal_sparse, dynamic."""
+"""Tree structure and builders: masks, positions, paths, padding, optimal_sparse, dynamic."""
 
 import itertools
 import math
@@ -53,21 +53,6 @@ def test_mask_depth_positions_paths_match_parents(parents):
         assert all(x == -1 for x in row[len(nodes):])
 
 
-@settings(max_examples=60, deadline=None)
-@given(parents_lists())
-def test_sglang_layout_walks_children_in_id_order(parents):
-    n = len(parents)
-    index, next_token, next_sibling = T.DraftTree(torch.zeros(n, dtype=torch.long), torch.tensor(parents)).sglang_layout()
-    assert index.tolist() == list(range(n))
-    for i in range(n):
-        kids = [j for j in range(n) if parents[j] == i]
-        walked, c = [], int(next_token[i])
-        while c >= 0:
-            walked.append(c)
-            c = int(next_sibling[c])
-        assert walked == kids
-
-
 def test_batched_helpers_match_single_trees_and_pad():
     rng = random.Random(0)
     trees = [T.DraftTree(torch.randint(0, 50, (n,)), torch.tensor(random_parents(rng, n))) for n in (1, 4, 9)]
@@ -76,25 +61,35 @@ def test_batched_helpers_match_single_trees_and_pad():
     assert (batch.parents[0, 1:] == -1).all() and (batch.parents[1, 4:] == -1).all()
     masks = T.ancestor_mask(batch.parents)
     depths = T.tree_depths(batch.parents)
-    idx, nxt, sib = T.sglang_layout(batch.parents, batch.num_nodes)
     for b, t in enumerate(trees):
         n = t.num_nodes
         assert torch.equal(masks[b, :n, :n], t.attention_mask())
         assert torch.equal(depths[b, :n], t.depth)
-        assert idx[b, :n].tolist() == [b * 9 + i for i in range(n)] and (idx[b, n:] == -1).all()
-        assert torch.equal(nxt[b, :n], t.sglang_layout()[1])
-        assert torch.equal(sib[b, :n], t.sglang_layout()[2])
     table = T.children_table(batch.parents)  # [B, N, C]
     for b, t in enumerate(trees):
         for node in range(9):
             kids = [k for k in table[b, node].tolist() if k >= 0]
             assert kids == (t.children(node) if node < t.num_nodes else [])
             assert T.sibling_rank(batch.parents)[b, kids].tolist() == list(range(len(kids)))
-    flat = T.flat_tree_masks(trees)
-    assert flat.numel() == 1 + 16 + 81
-    assert torch.equal(flat[17:], trees[2].attention_mask().flatten())
     for t, u in zip(trees, batch.unbind()):
         assert torch.equal(t.tokens, u.tokens) and torch.equal(t.parents, u.parents)
+
+
+def test_pad_batch_adds_nodes_verification_never_accepts():
+    rng = random.Random(1)
+    trees = [T.DraftTree(torch.randint(1, 50, (n,)), torch.tensor(random_parents(rng, n))) for n in (2, 5)]
+    batch = T.stack_trees(trees)._replace(draft_probs=torch.rand(2, 5, 3))
+    padded = T.pad_batch(batch, 8)
+    assert padded.candidates.shape == (2, 8) and torch.equal(padded.num_nodes, batch.num_nodes)
+    assert torch.equal(padded.parents[:, :5], batch.parents) and (padded.parents[:, 5:] == -1).all()
+    assert (padded.candidates[:, 5:] == 0).all() and (padded.draft_probs[:, 5:] == 0).all()
+    mask = T.ancestor_mask(padded.parents)
+    assert torch.equal(mask[:, 5:, :], torch.eye(8, dtype=torch.bool)[5:].expand(2, 3, 8))  # padding: self only
+    assert T.pad_batch(batch, 5).candidates is batch.candidates  # already that wide
+    with pytest.raises(ValueError, match="width 4 is below"):
+        T.pad_batch(batch, 4)
+    stacked = T.stack_batches([batch, T.stack_trees(trees[:1])])
+    assert stacked.candidates.shape == (3, 5) and stacked.draft_probs is None
 
 
 def test_chain():

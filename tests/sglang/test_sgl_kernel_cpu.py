@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from specplug.common import sampling, tree as tree_lib
+from specplug.common.sglang_trees import sglang_layout
 from tests.support import sgl_kernel_cpu as k
 
 
@@ -85,7 +86,7 @@ def test_verify_tree_greedy_agrees_with_specplug_greedy(seed):
     parents = torch.tensor([[-1, 0, 0, 1, 1, 3]] * bs)
     candidates = torch.randint(0, vocab, (bs, n), generator=g)
     target = torch.randint(0, vocab, (bs, n), generator=g)  # target argmax after each node
-    layout = tree_lib.sglang_layout(parents)
+    layout = sglang_layout(parents)
     predicts = torch.zeros(bs * n, dtype=torch.int32)
     accept_index = torch.full((bs, n), -1, dtype=torch.int32)
     accept_num = torch.zeros(bs, dtype=torch.int32)

@@ -1,0 +1,89 @@
+"""Draft trees in SGLang's verify layouts: retrieve links, tree-only and prefix-included masks.
+
+Engine-free (torch only): the SGLang adapter hands these to SGLang's TARGET_VERIFY pass.
+
+* ``sglang_layout``: the retrieve links SGLang's tree acceptance walks.
+* ``flat_tree_masks``: the tree-only export, ``n x n`` per request (SGLang's ngram
+  worker's input to ``reconstruct_indices_from_tree_mask``; specplug's torch_native
+  hook reads it too).
+* ``prefix_included_masks``: what SGLang's GPU verify attention reads (its Triton
+  extend kernel): per request ``n`` rows of ``seq_len + n`` columns (the committed
+  prefix, then the ``n`` tree nodes), flattened row-major and concatenated in batch
+  order; request b's block starts at ``mask_indptr(seq_lens, n)[b]``. Every request
+  has the same ``n`` (SGLang's ``speculative_num_draft_tokens``): smaller trees are
+  padded (``tree.pad_batch``) with nodes that see only the prefix and themselves.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from specplug.common.tree import DraftTree
+
+__all__ = ["sglang_layout", "flat_tree_masks", "prefix_included_masks", "mask_indptr"]
+
+
+def sglang_layout(parents: torch.Tensor, num_nodes: torch.Tensor | None = None):
+    """SGLang's verify layout: parents [B, N] (or [N]) -> three Long tensors of the same shape.
+
+    ``retrieve_index[b, i] = b * N + i`` (row of node i in the flattened batch),
+    ``retrieve_next_token[b, i]`` = first child of i, ``retrieve_next_sibling[b, i]``
+    = next sibling of i, both in node-id order, -1 = none. Padding nodes are -1.
+    """
+    single = parents.dim() == 1
+    p = parents.unsqueeze(0) if single else parents
+    bsz, n = p.shape
+    ids = torch.arange(n, device=p.device)
+    real = torch.ones_like(p, dtype=torch.bool) if num_nodes is None else ids < num_nodes.unsqueeze(-1)
+    p = torch.where(real, p, torch.full_like(p, -1))
+    retrieve_index = torch.where(real, ids + n * torch.arange(bsz, device=p.device).unsqueeze(-1), -1)
+    is_child = p.unsqueeze(-2) == ids.view(1, n, 1)  # [B, parent, node]
+    is_child &= ids.view(1, 1, n) > 0
+    big = torch.full_like(p, n).unsqueeze(-2).expand(bsz, n, n)
+    first = torch.where(is_child, ids.view(1, 1, n).expand(bsz, n, n), big).min(-1).values
+    next_token = torch.where(first < n, first, -1)
+    same = (p.unsqueeze(-1) == p.unsqueeze(-2)) & (p.unsqueeze(-1) >= 0)  # [B, node, other]
+    later = ids.view(1, 1, n) > ids.view(1, n, 1)
+    nxt = torch.where(same & later, ids.view(1, 1, n).expand(bsz, n, n), big).min(-1).values
+    next_sibling = torch.where(nxt < n, nxt, -1)
+    out = (retrieve_index, next_token, next_sibling)
+    return tuple(t[0] for t in out) if single else out
+
+
+def flat_tree_masks(trees: Sequence[DraftTree]) -> torch.Tensor:
+    """The "n x n mask per request" export: Bool [sum(N_b ** 2)], row-major per request.
+
+    This is the flat tree mask SGLang's ngram worker hands to
+    ``reconstruct_indices_from_tree_mask``.
+    """
+    return torch.cat([t.attention_mask().flatten() for t in trees]) if trees else torch.zeros(0, dtype=torch.bool)
+
+
+def mask_indptr(seq_lens: torch.Tensor, n: int) -> torch.Tensor:
+    """Where each request's block starts in a prefix-included mask: seq_lens [B] ->
+    Long [B + 1], ``indptr[b + 1] - indptr[b] = n * (seq_lens[b] + n)``."""
+    sizes = n * (seq_lens.long() + n)  # [B]
+    return torch.cat([sizes.new_zeros(1), sizes.cumsum(0)])
+
+
+def prefix_included_masks(tree_masks: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
+    """Tree masks [B, n, n] (row i may attend column j: ``tree.ancestor_mask``) and the
+    committed lengths seq_lens [B] -> SGLang's GPU verify mask Bool [sum(n * (s_b + n))].
+
+    Invariant: entry ``mask_indptr(seq_lens, n)[b] + i * (s_b + n) + c`` is True for every
+    prefix column ``c < s_b`` and equals ``tree_masks[b, i, c - s_b]`` for the tree columns.
+    On the tensors' device; one host sync (the total size).
+    """
+    bsz, n, _ = tree_masks.shape
+    seq_lens = seq_lens.to(tree_masks.device).long()
+    indptr = mask_indptr(seq_lens, n)  # [B + 1]
+    flat = torch.ones(int(indptr[-1]), dtype=torch.bool, device=tree_masks.device)  # the prefix: visible
+    rows = torch.arange(n, device=tree_masks.device)
+    width = (seq_lens + n)[:, None, None]  # [B, 1, 1]
+    where = indptr[:-1, None, None] + rows[None, :, None] * width + seq_lens[:, None, None] + rows[None, None, :]
+    flat[where.flatten()] = tree_masks.bool().flatten()  # [B, n, n] tree columns
+    return flat

@@ -1,0 +1,69 @@
+"""SGLang's verify layouts of draft trees (specplug.common.sglang_trees): retrieve links,
+tree-only and prefix-included masks."""
+
+import random
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from specplug.common import sglang_trees as S
+from specplug.common import tree as T
+from tests.common.test_tree import parents_lists, random_parents
+
+
+@settings(max_examples=60, deadline=None)
+@given(parents_lists())
+def test_sglang_layout_walks_children_in_id_order(parents):
+    n = len(parents)
+    index, next_token, next_sibling = S.sglang_layout(torch.tensor(parents))
+    assert index.tolist() == list(range(n))
+    for i in range(n):
+        kids = [j for j in range(n) if parents[j] == i]
+        walked, c = [], int(next_token[i])
+        while c >= 0:
+            walked.append(c)
+            c = int(next_sibling[c])
+        assert walked == kids
+
+
+def test_batched_layout_and_flat_masks_match_single_trees():
+    rng = random.Random(0)
+    trees = [T.DraftTree(torch.randint(0, 50, (n,)), torch.tensor(random_parents(rng, n))) for n in (1, 4, 9)]
+    batch = T.stack_trees(trees)
+    idx, nxt, sib = S.sglang_layout(batch.parents, batch.num_nodes)
+    for b, t in enumerate(trees):
+        n = t.num_nodes
+        assert idx[b, :n].tolist() == [b * 9 + i for i in range(n)] and (idx[b, n:] == -1).all()
+        assert torch.equal(nxt[b, :n], S.sglang_layout(t.parents)[1])
+        assert torch.equal(sib[b, :n], S.sglang_layout(t.parents)[2])
+    flat = S.flat_tree_masks(trees)
+    assert flat.numel() == 1 + 16 + 81
+    assert torch.equal(flat[17:], trees[2].attention_mask().flatten())
+
+
+def _per_request(tree_masks, seq_lens):
+    """The reference: per request [n, s + n] = [all-True prefix | tree mask], concatenated."""
+    n = tree_masks.shape[1]
+    return torch.cat([torch.cat([torch.ones(n, s, dtype=torch.bool), m], 1).flatten()
+                      for m, s in zip(tree_masks, seq_lens)])
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(parents_lists(max_nodes=7), st.integers(0, 20)), min_size=1, max_size=4),
+       st.integers(0, 3))
+def test_prefix_included_masks_match_per_request_blocks(requests, extra):
+    trees = [T.DraftTree(torch.zeros(len(p), dtype=torch.long), torch.tensor(p)) for p, _ in requests]
+    seq_lens = torch.tensor([s for _, s in requests])
+    batch = T.pad_batch(T.stack_trees(trees), max(t.num_nodes for t in trees) + extra)  # padded nodes too
+    masks = T.ancestor_mask(batch.parents)  # [B, n, n]
+    n = masks.shape[1]
+    flat = S.prefix_included_masks(masks, seq_lens)
+    assert torch.equal(flat, _per_request(masks, seq_lens.tolist()))
+    indptr = S.mask_indptr(seq_lens, n)
+    assert indptr.tolist() == [0] + torch.cumsum(n * (seq_lens + n), 0).tolist()
+    for b, (t, s) in enumerate(zip(trees, seq_lens.tolist())):
+        block = flat[indptr[b]:indptr[b + 1]].view(n, s + n)
+        assert torch.equal(block[:t.num_nodes, s:s + t.num_nodes], t.attention_mask())
+        pad = block[t.num_nodes:]  # padding nodes: the prefix and themselves only
+        assert pad[:, :s].all() and torch.equal(pad[:, s:], torch.eye(n, dtype=torch.bool)[t.num_nodes:])
