@@ -43,15 +43,18 @@ ACCURACIES = [[0.6 * 0.85**h / (r + 1) ** 1.2 for r in range(8)] for h in range(
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8, 64], help="batch sizes (default: 1 8 64)")
-    ap.add_argument("--nodes", type=int, nargs="+", default=[8, 32, 64], help="tree nodes incl. root (default: 8 32 64)")
+    ap.add_argument("--nodes", type=int, nargs="+", default=[8, 32, 64],
+                    help="tree nodes incl. root (default: 8 32 64)")
     ap.add_argument("--vocab", type=int, nargs="+", default=[32000, 128000], help="vocab sizes (default: 32000 128000)")
     ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS), help="default: all")
     ap.add_argument("--repeats", type=int, default=5, help="timed calls per cell, median reported (default: 5)")
-    ap.add_argument("--mem-cap-gib", type=float, default=1.0, help="skip cells whose [B,N,V] fp32 tensors exceed this (default: 1.0)")
+    ap.add_argument("--mem-cap-gib", type=float, default=1.0,
+                    help="skip cells whose [B,N,V] fp32 tensors exceed this (default: 1.0)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (default: 0 = torch's default)")
     ap.add_argument("--clock", choices=list(CLOCKS), default="wall", help="wall or cpu (process) time (default: wall)")
     ap.add_argument("--seed", type=int, default=0, help="RNG seed (default: 0)")
-    ap.add_argument("--out", default="out/bench_core", help="output path prefix for .json/.png (default: out/bench_core)")
+    ap.add_argument("--out", default="out/bench_core",
+                    help="output path prefix for .json/.png (default: out/bench_core)")
     return ap.parse_args(argv)
 
 
@@ -122,7 +125,8 @@ def markdown(rows, methods, meta) -> str:
         "|---:|---:|---:|" + "---:|" * len(methods),
     ]
     for r in rows:
-        lines.append(f"| {r['batch']} | {r['nodes']} | {r['vocab']} | " + " | ".join(fmt(r.get(m)) for m in methods) + " |")
+        lines.append(f"| {r['batch']} | {r['nodes']} | {r['vocab']} | "
+                     + " | ".join(fmt(r.get(m)) for m in methods) + " |")
     return "\n".join(lines)
 
 

@@ -187,9 +187,9 @@ def markdown(rows, meta) -> str:
     for r in rows:
         lines.append(
             f"| {r['method']} | {r['batch']} | {r['nodes']} | {r['vocab']} | {r['mbytes']:.1f} | {r['floor_us']:.1f} | "
-            f"{r.get('rows_us', float('nan')):.1f} | {r['path_us']:.1f} | {r['auto_mode']} | {r['auto_x_floor']:.2f}x | "
-            f"{r['kernel_call_us']:.0f} | {r['torch_call_us']:.0f} | {r['speedup_vs_torch']:.1f}x | "
-            f"{r['accepted_mean']:.2f} | {r['agree_with_torch_cuda']:.3f} |")
+            f"{r.get('rows_us', float('nan')):.1f} | {r['path_us']:.1f} | {r['auto_mode']} | "
+            f"{r['auto_x_floor']:.2f}x | {r['kernel_call_us']:.0f} | {r['torch_call_us']:.0f} | "
+            f"{r['speedup_vs_torch']:.1f}x | {r['accepted_mean']:.2f} | {r['agree_with_torch_cuda']:.3f} |")
     return "\n".join(lines)
 
 

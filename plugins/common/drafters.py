@@ -169,7 +169,8 @@ class MedusaDrafter:
                  head_accuracies=None):
         self.heads = heads.eval()
         self.choices = None if choices is None else [list(c) for c in choices]
-        self.head_accuracies = None if head_accuracies is None else torch.as_tensor(head_accuracies, dtype=torch.float64)
+        self.head_accuracies = (None if head_accuracies is None
+                                else torch.as_tensor(head_accuracies, dtype=torch.float64))
         self.hidden: dict[Hashable, torch.Tensor] = {}  # [H] target's last hidden state
         self.root_tokens: dict[Hashable, int] = {}
         self._templates: dict[TreeConfig, tree_lib.DraftTree] = {}
@@ -260,7 +261,8 @@ class MedusaDrafter:
         log accuracy[head, rank] (head_accuracies, else the prior; a rank past the table's
         last column counts as that column). What merging with other drafters' trees ranks."""
         ranks = int(template.tokens.max()) + 1
-        acc = self.head_accuracies if self.head_accuracies is not None else prior_accuracies(self.heads.num_heads, ranks)
+        acc = (self.head_accuracies if self.head_accuracies is not None
+               else prior_accuracies(self.heads.num_heads, ranks))
         depth = template.depth
         node = acc[(depth - 1).clamp(min=0), template.tokens.clamp(max=acc.shape[1] - 1)].log().float()  # [N]
         node[0] = 0.0

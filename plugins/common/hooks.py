@@ -151,7 +151,8 @@ def _collect(hook_name: str, pm: pluggy.PluginManager | None) -> dict[str, Calla
         if result is None:
             continue
         if not isinstance(result, dict):
-            raise TypeError(f"plugin {impl.plugin_name!r}: {hook_name} must return a dict name -> object, got {type(result).__name__}")
+            raise TypeError(f"plugin {impl.plugin_name!r}: {hook_name} must return a dict name -> object, "
+                            f"got {type(result).__name__}")
         for name, obj in result.items():
             if name in merged:
                 raise ValueError(

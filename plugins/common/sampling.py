@@ -617,7 +617,8 @@ def _verify_typical(p: _NodeRows, tree: _Tree, uniforms: torch.Tensor, epsilon: 
     """LOSSY Medusa-2 typical acceptance; deepest passing path, bonus ~ p[last]."""
     entropy = p.per_node(lambda x: -torch.special.xlogy(x.float(), x.float()).sum(-1))  # [B, N]
     threshold = torch.clamp(delta * torch.exp(-entropy), max=epsilon)
-    passes = tree.real & (tree.parents >= 0) & (_parent_values(p, tree) > threshold.gather(1, tree.parents.clamp(min=0)))
+    passes = (tree.real & (tree.parents >= 0)
+              & (_parent_values(p, tree) > threshold.gather(1, tree.parents.clamp(min=0))))
     final = _deepest_path_end(passes, tree)
     return final, sample_inverse_cdf(p.rows(final), uniforms[:, 0])
 

@@ -9,7 +9,9 @@ HTTP 400) refuses it instead, and the server keeps serving everyone else.
 
 from __future__ import annotations
 
-from specplug.sglang_medusa.patches import VALIDATE_REQUEST as TARGET  # hooked AROUND (patches.py)
+from specplug.sglang_medusa.patches import VALIDATE_REQUEST
+
+TARGET = VALIDATE_REQUEST  # hooked AROUND (patches.py)
 
 STRUCTURED_KEYS = ("json_schema", "regex", "ebnf", "structural_tag")
 

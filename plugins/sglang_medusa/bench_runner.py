@@ -69,7 +69,8 @@ def make_runner(args):
                         temperature=args.temperature, seed=args.seed,
                         max_batch=max(int(b) for b in args.batch_sizes.split(",") if b),
                         adaptive=getattr(args, "adaptive", False), draft_model=getattr(args, "draft_model", None),
-                        self_spec_layers=getattr(args, "self_spec_layers", None), eagle3_head=given if eagle3 else (None if given else default_head("smollm2-eagle3")))
+                        self_spec_layers=getattr(args, "self_spec_layers", None),
+                        eagle3_head=given if eagle3 else (None if given else default_head("smollm2-eagle3")))
 
 
 def default_head(name: str = "smollm2-medusa") -> str | None:

@@ -79,7 +79,8 @@ def lm_head_logits(original, processor, hidden_states, lm_head, embedding_bias=N
              and not should_apply_lm_head_quant_method(lm_head, getattr(lm_head, "quant_method", None))
              and not getattr(processor, "use_fp32_lm_head", False)
              and getattr(processor, "rl_on_policy_target", None) is None)
-    if args or kwargs.keys() - {"out"} or embedding_bias is not None or not plain or not _eligible(lm_head, hidden_states):
+    if (args or kwargs.keys() - {"out"} or embedding_bias is not None or not plain
+            or not _eligible(lm_head, hidden_states)):
         return original(processor, hidden_states, lm_head, embedding_bias, *args, **kwargs)
     return packed_linear(lm_head, hidden_states)
 

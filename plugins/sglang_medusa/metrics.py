@@ -15,7 +15,8 @@ import torch
 from specplug.common.metrics import AcceptanceStats
 
 
-def acceptance_from_meta_info(meta_infos: Iterable[Mapping], draft_tokens_per_step: int | None = None) -> AcceptanceStats:
+def acceptance_from_meta_info(meta_infos: Iterable[Mapping],
+                              draft_tokens_per_step: int | None = None) -> AcceptanceStats:
     """Merge the histograms of many requests' meta_info into one AcceptanceStats
     (tau, per-position acceptance). draft_tokens_per_step: tree nodes minus the root, if known."""
     stats = AcceptanceStats()

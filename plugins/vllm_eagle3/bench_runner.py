@@ -18,18 +18,18 @@ the section's "retrieval" settings, or the defaults); `specplug-hybrid-calibrate
 chain only where its expected accepted length pays for the verify, policy.payoff);
 `specplug-float-head` is `specplug` with the head's linears as loaded (`"head_weights": "float"`);
 `specplug-sampled` is the head's section with `"draft_temperature"` = --temperature:
-unseeded sampled requests get chains drawn from q, verified with q (use --unseeded). With `--draft-model DIR`: `draft_model`
-(vLLM's built-in draft-model chain, K = DRAFT_MODEL_K) and `specplug-draft-model` (stage
-chain, the head's tree merged with the draft model's: specplug's "draft_model" token
-drafter). With `--self-spec-layers L`: `specplug-self-spec` (the same with specplug's
-"self_spec" drafter on the target's layers L as vLLM loaded them). With `--medusa-head DIR`:
-`medusa` (vLLM's own Medusa chain, one token per head, the section stripped),
-`specplug-medusa` (stage "chain": the same chain through specplug's sampler) and
+unseeded sampled requests get chains drawn from q, verified with q (use --unseeded). With
+`--draft-model DIR`: `draft_model` (vLLM's built-in draft-model chain, K = DRAFT_MODEL_K)
+and `specplug-draft-model` (stage chain, the head's tree merged with the draft model's:
+specplug's "draft_model" token drafter). With `--self-spec-layers L`: `specplug-self-spec`
+(the same with specplug's "self_spec" drafter on the target's layers L as vLLM loaded them).
+With `--medusa-head DIR`: `medusa` (vLLM's own Medusa chain, one token per head, the section
+stripped), `specplug-medusa` (stage "chain": the same chain through specplug's sampler) and
 `specplug-medusa-tree` (stage "tree": the heads' Medusa tree, num_speculative_tokens = its
-nodes). Tree settings come from the head's section with SPECPLUG_TREE applied, exactly
-as the proposer reads them. A chain method followed by `:K` (`ngram:8`, `specplug:8`,
-`eagle3:6`) is the same method with `num_speculative_tokens` = K: chain lengths compared
-in one run (`chain_length`).
+nodes). Tree settings come from the head's section with SPECPLUG_TREE applied, exactly as
+the proposer reads them. A chain method followed by `:K` (`ngram:8`, `specplug:8`,
+`eagle3:6`) is the same method with `num_speculative_tokens` = K: chain lengths compared in
+one run (`chain_length`).
 """
 
 from __future__ import annotations
@@ -202,9 +202,9 @@ class VllmRunner:
         self._method, self._llm = None, None
 
     def methods(self) -> list[str]:
-        specplug = ["eagle3", "specplug", "specplug-tree", "specplug-adaptive", "specplug-hybrid", "specplug-hybrid-tree",
-                    "specplug-hybrid-skip", "specplug-hybrid-calibrated", "specplug-sampled", "specplug-hybrid-lengthen",
-                    "specplug-hybrid-gated", "specplug-float-head"]
+        specplug = ["eagle3", "specplug", "specplug-tree", "specplug-adaptive", "specplug-hybrid",
+                    "specplug-hybrid-tree", "specplug-hybrid-skip", "specplug-hybrid-calibrated", "specplug-sampled",
+                    "specplug-hybrid-lengthen", "specplug-hybrid-gated", "specplug-float-head"]
         drafts = ["draft_model"] + (["specplug-draft-model"] if self.head else []) if self.draft_model else []
         drafts += ["specplug-self-spec"] if self.self_spec_layers and self.head else []
         medusa = ["medusa", "specplug-medusa", "specplug-medusa-tree"] if self.medusa_head else []
@@ -286,7 +286,8 @@ class VllmRunner:
             raise SystemExit(f"specplug bench: method {method!r} needs --medusa-head DIR (or 'testbed')")
         heads = heads_in_checkpoint(self.medusa_head)
         if method == "medusa":
-            return {"method": "medusa", "model": strip_specplug_section(self.medusa_head), "num_speculative_tokens": heads}
+            return {"method": "medusa", "model": strip_specplug_section(self.medusa_head),
+                    "num_speculative_tokens": heads}
         stage = "tree" if method == "specplug-medusa-tree" else "chain"
         head = staged_head(self.medusa_head, stage)
         k = tree_nodes(head) if stage == "tree" else heads

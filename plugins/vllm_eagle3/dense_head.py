@@ -206,7 +206,8 @@ def use_quantized_weights(model, state, fmt: str = "int8", target_model=None) ->
     except ValueError as exc:  # e.g. a checkpoint without its own lm_head, or widths the format cannot take
         return str(exc)
     for role, module in modules.items():
-        reason = head_linears.mismatch(f"vLLM's {role}", weights[role], lambda x, m=module: m.quant_method.apply(m, x), dtype)
+        reason = head_linears.mismatch(f"vLLM's {role}", weights[role],
+                                       lambda x, m=module: m.quant_method.apply(m, x), dtype)
         if reason is not None:
             return reason
     for role, module in modules.items():

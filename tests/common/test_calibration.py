@@ -19,7 +19,8 @@ def batch(tokens, parents, probs) -> TreeBatch:
 
 
 HEAD = batch([9, 1, 2, 3], [-1, 0, 0, 1], [1, 0.9, 0.05, 0.8])  # over-confident: 9 -> 1 -> 3; 9 -> 2
-RETRIEVAL = batch([9, 2, 5, 0], [-1, 0, 1, -1], [1, 0.6, 0.5, 0])._replace(num_nodes=torch.tensor([3]))  # 9 -> 2 -> 5, padded
+# 9 -> 2 -> 5, padded
+RETRIEVAL = batch([9, 2, 5, 0], [-1, 0, 1, -1], [1, 0.6, 0.5, 0])._replace(num_nodes=torch.tensor([3]))
 
 
 def test_pool_adjacent_violators():

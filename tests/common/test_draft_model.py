@@ -177,7 +177,8 @@ def test_self_spec_settings_are_checked_and_it_waits_for_the_engine():
 
     choice = token_drafters.DrafterChoice
     for bad, field in (({"layers": "0-x"}, "is not an int or a range"), ({"layers": 0}, "count K >= 1"),
-                       ({"layers": "1-3"}, "include layer 0"), ({"topk": 0}, "topk"), ({"temperature": -1}, "temperature")):
+                       ({"layers": "1-3"}, "include layer 0"), ({"topk": 0}, "topk"),
+                       ({"temperature": -1}, "temperature")):
         with pytest.raises(ValueError, match=field):
             token_drafters.check_choice(choice("self_spec", bad))
     drafter = token_drafters.build(choice("self_spec", {"layers": 2}), vocab_size=1000)

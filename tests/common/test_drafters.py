@@ -87,7 +87,8 @@ def chain_scores(drafter, rid, tokens):
         score += float(logprobs[draft_ids[tok]].detach())
         scores.append(score)
         s = k.shape[2]  # the draft position of this input: committed length + depth - 1
-        out = head(torch.tensor([[tok]]), hidden, torch.tensor([[s]]), torch.ones(1, 1, s + 1, dtype=torch.bool), (k, v))
+        out = head(torch.tensor([[tok]]), hidden, torch.tensor([[s]]), torch.ones(1, 1, s + 1, dtype=torch.bool),
+                   (k, v))
         k, v = torch.cat([k, out.kv[0]], 2), torch.cat([v, out.kv[1]], 2)
         hidden = out.hidden
         logprobs = head.compute_logits(out.normed)[0, 0].float().log_softmax(-1)
@@ -220,7 +221,8 @@ def test_medusa_drafts_from_handed_hidden_states_equal_draft_after_prefill(targe
     for rid, prompt in enumerate(prompts):
         prefill(drafter, target, rid, prompt, 7 + rid)
     hidden = torch.stack([target_hidden(target, p, (target.config.num_hidden_layers,))[-1] for p in prompts])
-    stateful, stateless = drafter.draft([0, 1], config), drafter.fill(drafter.logits_from(hidden), torch.tensor([7, 8]), config)
+    stateful = drafter.draft([0, 1], config)
+    stateless = drafter.fill(drafter.logits_from(hidden), torch.tensor([7, 8]), config)
     for a, b in zip(stateful, stateless):
         assert (a is None and b is None) or torch.equal(a, b)
 

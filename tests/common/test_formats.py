@@ -124,10 +124,10 @@ def vllm_medusa_config(heads=3, layers=2, **overrides) -> dict:
 def vllm_medusa_state(heads=3, layers=2, bias=True, lm_rows=VOCAB, token_map=None) -> dict:
     state = {}
     for name, t in medusa_state(heads, layers).items():
-        h, l, *rest = name.split(".")
+        h, layer, *rest = name.split(".")
         if rest[0] == "linear":
             if rest[1] == "weight" or bias:
-                state[f"blocks.{h}.layers.{l}.{rest[1]}"] = t
+                state[f"blocks.{h}.layers.{layer}.{rest[1]}"] = t
         else:
             state[f"lm_heads.{h}.weight"] = t[:lm_rows].clone()
     if token_map is not None:
@@ -357,7 +357,7 @@ def test_shared_block_bug_torch_save_loads_as_equal_copies(tmp_path, caplog):
 
 def test_shared_block_bug_deduplicated_save_is_filled_in(tmp_path, caplog):
     """safetensors' save_model keeps one name per shared tensor: one block per head."""
-    state = {k: v.clone() for k, v in _shared_block_state().items() if not k.split(".")[1] in ("0", "2")
+    state = {k: v.clone() for k, v in _shared_block_state().items() if k.split(".")[1] not in ("0", "2")
              or k.endswith(f".{3}.weight")}
     src = write_head(tmp_path / "m", medusa_config(2, 3), state, "medusa_lm_head.safetensors")
     with caplog.at_level(logging.INFO, logger="specplug.common.formats"):

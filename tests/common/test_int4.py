@@ -98,7 +98,8 @@ def test_head_weights_setting():
     assert head_section.head_weights({"head_weights": "int4"}, {}) == "int4"
     assert head_section.head_weights({"head_weights": "int4", "head_int8": True}, {}) == "int4"
     assert head_section.head_weights({"head_weights": "int4"}, {head_section.ENV_HEAD_WEIGHTS: "float"}) == "float"
-    assert head_section.head_weights({"head_weights": "int4"}, {head_section.ENV_HEAD_INT8: "1"}) == "int8"  # the older switch
+    # the older switch
+    assert head_section.head_weights({"head_weights": "int4"}, {head_section.ENV_HEAD_INT8: "1"}) == "int8"
     with pytest.raises(ValueError, match="head_weights"):
         head_section.head_weights({"head_weights": "fp8"}, {})
     with pytest.raises(ValueError, match=head_section.ENV_HEAD_WEIGHTS):

@@ -43,7 +43,8 @@ def test_int8_linear_is_close_to_the_float_layer():
     w, other = torch.randn(64, 192) / 14, torch.randn(64, 192) / 14
     x = torch.randn(3, 192)
     assert head_linears.relative_error(int8.int8_linear(x, int8.quantize(w)), x @ w.T) < int8.MAX_RELATIVE_ERROR / 2
-    assert head_linears.relative_error(int8.int8_linear(x, int8.quantize(other)), x @ w.T) > 10 * int8.MAX_RELATIVE_ERROR
+    assert (head_linears.relative_error(int8.int8_linear(x, int8.quantize(other)), x @ w.T)
+            > 10 * int8.MAX_RELATIVE_ERROR)
 
 
 def _eagle3_state(hidden=64, heads=2, kv_heads=1, inter=128, vocab=96):
@@ -116,7 +117,8 @@ def test_swap_linears_runs_specplugs_own_head_in_int8():
     head = _head()
     before = _logits(head)
     assert head_linears.swap_linears(head, head_linears.EAGLE3_MODULES) is None
-    assert isinstance(head.lm_head, head_linears.QuantLinear) and isinstance(head.midlayer.mlp.up_proj, head_linears.QuantLinear)
+    assert isinstance(head.lm_head, head_linears.QuantLinear)
+    assert isinstance(head.midlayer.mlp.up_proj, head_linears.QuantLinear)
     assert isinstance(head.fc, torch.nn.Linear)
     assert head_linears.relative_error(_logits(head), before) < 0.03
 

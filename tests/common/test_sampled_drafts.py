@@ -53,7 +53,8 @@ def first_two(model, depth, width, token_map=None, verify_power=1.0, seed=0):
     short = res.num_accepted == 0
     if bool(short.any()):
         b2, p2, q2 = toy_trees(model, out[short, 0], 1, depth, width, token_map, verify_power)
-        out[short, 1] = S.verify(b2.candidates, b2.parents, p2, q2, method="rejection").output_tokens(b2.candidates)[:, 0]
+        verified = S.verify(b2.candidates, b2.parents, p2, q2, method="rejection")
+        out[short, 1] = verified.output_tokens(b2.candidates)[:, 0]
     return out
 
 

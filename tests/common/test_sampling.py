@@ -116,7 +116,8 @@ def rand_probs_batch(seed, bsz=6, max_nodes=9, vocab=7):
     return batch, p, q
 
 
-@pytest.mark.parametrize("method, use_q", [("greedy", False), ("rejection", False), ("rejection", True), ("typical", False)])
+@pytest.mark.parametrize("method, use_q",
+                         [("greedy", False), ("rejection", False), ("rejection", True), ("typical", False)])
 def test_flattened_layout_equals_padded(method, use_q):
     batch, p, q = rand_probs_batch(1)
     real = torch.arange(p.shape[1]) < batch.num_nodes.unsqueeze(1)
@@ -143,7 +144,8 @@ def test_seeded_generators_reproduce_each_request_independently(use_q):
     assert torch.equal(a.bonus_token, b.bonus_token.flip(0))
     assert torch.equal(a.num_accepted, b.num_accepted.flip(0))
     explicit = S.draw_uniforms(6, p.shape[1], [torch.Generator().manual_seed(100 + i) for i in range(6)])
-    c = S.verify(batch.candidates, batch.parents, p, q, method="rejection", num_nodes=batch.num_nodes, uniforms=explicit)
+    c = S.verify(batch.candidates, batch.parents, p, q, method="rejection", num_nodes=batch.num_nodes,
+                 uniforms=explicit)
     assert torch.equal(a.bonus_token, c.bonus_token)
 
 
@@ -155,7 +157,8 @@ def test_uniforms_define_the_decisions():
     reject = S.verify(cands, parents, p, method="rejection", uniforms=torch.tensor([[0.0, 0.21, 0.0]]))
     assert accept.num_accepted.tolist() == [1] and reject.num_accepted.tolist() == [0]
     # residual after rejecting token 2: [0.5, 0.3, 0, 0] / 0.8; u = 0.7 -> 0.56 -> token 1
-    assert S.verify(cands, parents, p, method="rejection", uniforms=torch.tensor([[0.7, 0.5, 0.0]])).bonus_token.tolist() == [1]
+    residual = S.verify(cands, parents, p, method="rejection", uniforms=torch.tensor([[0.7, 0.5, 0.0]]))
+    assert residual.bonus_token.tolist() == [1]
     assert S.sample_inverse_cdf(torch.tensor([[0.0, 1.0, 0.0, 3.0]]), torch.tensor([0.25])).tolist() == [3]
     assert S.sample_inverse_cdf(torch.tensor([[0.0, 1.0, 0.0, 3.0]]), torch.tensor([0.2499])).tolist() == [1]
 
@@ -273,7 +276,8 @@ def good():
         (dict(parents=torch.tensor([[0, 0, 0]])), ValueError, "root"),
         (dict(target_probs=torch.full((1, 2, 4), 0.25)), ValueError, "target_probs must be"),
         (dict(target_probs=torch.full((1, 3, 4), 0.3)), ValueError, "sums to 1.2"),
-        (dict(target_probs=torch.tensor([[[0.25] * 4, [0.25] * 4, [float("nan"), 0.5, 0.25, 0.25]]])), ValueError, "NaN"),
+        (dict(target_probs=torch.tensor([[[0.25] * 4, [0.25] * 4, [float("nan"), 0.5, 0.25, 0.25]]])),
+         ValueError, "NaN"),
         (dict(draft_probs=torch.full((1, 3, 5), 0.2)), ValueError, "vocab"),
         (dict(draft_probs=torch.full((1, 3, 4), 0.5)), ValueError, "draft_probs row"),
         (dict(method="beam"), ValueError, "method"),

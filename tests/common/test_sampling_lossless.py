@@ -185,7 +185,8 @@ def tv_checks(first: torch.Tensor, p1: torch.Tensor):
     return rows
 
 
-@pytest.mark.parametrize("rule, shape", [("target_only", "medusa7"), ("draft_probs", "chain3"), ("draft_probs", "binary")])
+@pytest.mark.parametrize("rule, shape",
+                         [("target_only", "medusa7"), ("draft_probs", "chain3"), ("draft_probs", "binary")])
 def test_total_variation_shrinks_like_one_over_sqrt_n(rule, shape):
     model = ToyModel(16, 1.0, False, seed=7)
     first = first_two_tokens(model, shape, rule == "draft_probs", seed=11)[:, 0]

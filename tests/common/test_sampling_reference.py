@@ -81,7 +81,8 @@ def test_verify_matches_sequential_reference(seed, with_q):
     for b, t in enumerate(trees):
         n = t.num_nodes
         qb = None if q is None else q[b, :n].double().tolist()
-        path, bonus = reference_one(t.tokens.tolist(), t.parents.tolist(), p[b, :n].double().tolist(), qb, u[b].double().tolist())
+        path, bonus = reference_one(t.tokens.tolist(), t.parents.tolist(), p[b, :n].double().tolist(), qb,
+                                    u[b].double().tolist())
         got = [x for x in res.accepted_nodes[b].tolist() if x >= 0]
         assert got == path, (b, got, path)
         assert res.bonus_token[b] == bonus

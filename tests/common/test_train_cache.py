@@ -65,7 +65,8 @@ def test_round_trip_is_the_target_pass_in_bf16_bit_for_bit(tiny_llama_path, coun
             checked += len(ids)
     assert checked == len(samples)
     again, info = _open(tiny_llama_path, counting_data, tmp_path / "s", tiny)  # reused, not rewritten
-    assert not info["written"] and torch.equal(again.target_output([0, 5], 48).aux, reader.target_output([0, 5], 48).aux)
+    assert not info["written"]
+    assert torch.equal(again.target_output([0, 5], 48).aux, reader.target_output([0, 5], 48).aux)
 
 
 @pytest.mark.parametrize("method", ["eagle3", "medusa"])
@@ -73,7 +74,8 @@ def test_loss_from_the_cache_equals_the_loss_on_bf16_rounded_live_states(tiny_ll
                                                                          tmp_path, method):
     """Same batch, same head: the cached view's loss equals the loss on live states rounded
     to bf16 (up to fp32 summation order: EAGLE-3 multiplies by the draft-vocab rows only),
-    and stays within 0.2% of the live fp32 loss (measured: 4e-5 EAGLE-3, 3e-4 Medusa). The accuracy uses the target's own top-1."""
+    and stays within 0.2% of the live fp32 loss (measured: 4e-5 EAGLE-3, 3e-4 Medusa). The accuracy uses
+    the target's own top-1."""
     target, _, samples, pad_id = tiny
     module = E if method == "eagle3" else M
     cfg = _config(method, tiny_llama_path, "unused", counting_data)
@@ -109,7 +111,8 @@ def test_a_cache_for_another_target_samples_or_aux_layers_is_refused_by_name(tin
     assert "another --states-cache folder" in str(refused.value)
     with pytest.raises(ValueError, match=r"num_samples = .*samples_sha256 = the training samples' token ids"):
         _open(tiny_llama_path, counting_data, folder, tiny, samples=samples[:-1])
-    with pytest.raises(ValueError, match=r"aux_layer_ids = the EAGLE-3 aux layers .*cached \[1, 2, 3\], this run \[0, 1, 2\]"):
+    with pytest.raises(ValueError,
+                       match=r"aux_layer_ids = the EAGLE-3 aux layers .*cached \[1, 2, 3\], this run \[0, 1, 2\]"):
         _open(tiny_llama_path, counting_data, folder, tiny, aux=(0, 1, 2))
     stranger = tmp_path / "stranger"
     stranger.mkdir()

@@ -63,8 +63,10 @@ PENALISED = [dict(GREEDY, frequency_penalty=0.8), dict(GREEDY, repetition_penalt
              dict(GREEDY, presence_penalty=1.0), dict(GREEDY)]
 # More of what SGLang's sampler offers, mixed: logit bias, min-new-tokens (the tiny model's
 # EOS banned for the whole answer), penalties together.
-RULES = [dict(GREEDY, frequency_penalty=0.5, logit_bias={"5": 2.0}), dict(GREEDY, min_new_tokens=48, repetition_penalty=1.2),
-         dict(GREEDY, presence_penalty=0.5, frequency_penalty=0.3), dict(GREEDY, logit_bias={"100": -5.0, "41": 3.0})]
+RULES = [dict(GREEDY, frequency_penalty=0.5, logit_bias={"5": 2.0}),
+         dict(GREEDY, min_new_tokens=48, repetition_penalty=1.2),
+         dict(GREEDY, presence_penalty=0.5, frequency_penalty=0.3),
+         dict(GREEDY, logit_bias={"100": -5.0, "41": 3.0})]
 LONG_GREEDY = {"temperature": 0.0, "max_new_tokens": 96}
 # The T = 0.8 test: one prompt, SAMPLES requests, the first generated tokens compared.
 SAMPLE_PROMPT = [77, 300, 12, 400]

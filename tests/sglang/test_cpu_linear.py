@@ -15,8 +15,8 @@ def test_packed_linear_equals_f_linear(rows):
     torch.manual_seed(rows)
     layer = SimpleNamespace(weight=torch.randn(96, 64))
     x, bias = torch.randn(2, rows, 64), torch.randn(96)
-    torch.testing.assert_close(cpu_linear.packed_linear(layer, x, bias), torch.nn.functional.linear(x, layer.weight, bias),
-                               rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(cpu_linear.packed_linear(layer, x, bias),
+                               torch.nn.functional.linear(x, layer.weight, bias), rtol=1e-5, atol=1e-5)
     assert cpu_linear.PACKED in vars(layer)  # packed once, reused
 
 
@@ -27,7 +27,8 @@ def test_only_plain_fp32_cpu_calls_are_taken_over():
         calls.append(layer)
         return torch.zeros(1)
 
-    fp32, amx = SimpleNamespace(weight=torch.randn(8, 4)), SimpleNamespace(weight=torch.randn(8, 4), use_intel_amx_backend=True)
+    fp32 = SimpleNamespace(weight=torch.randn(8, 4))
+    amx = SimpleNamespace(weight=torch.randn(8, 4), use_intel_amx_backend=True)
     bf16 = SimpleNamespace(weight=torch.randn(8, 4, dtype=torch.bfloat16))
     assert cpu_linear.linear_apply(original, None, fp32, torch.randn(3, 4)).shape == (3, 8)
     cpu_linear.linear_apply(original, None, amx, torch.randn(3, 4))

@@ -1,4 +1,5 @@
-"""MEDUSA, SPECPLUG_EAGLE3 and RETRIEVAL are found through the entry point, and bad arguments fail before any model loads."""
+"""MEDUSA, SPECPLUG_EAGLE3 and RETRIEVAL are found through the entry point, and bad arguments fail
+before any model loads."""
 
 import importlib.metadata
 import subprocess

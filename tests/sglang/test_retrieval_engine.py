@@ -7,8 +7,8 @@ lives in test_medusa_engine.py."""
 import pytest
 
 from tests.sglang.conftest import (
-    GREEDY, LONG_GREEDY, PENALISED, PROMPTS, RULES, SAMPLE_PROMPT, SAMPLED, SAMPLES, assert_greedy_matches, generate_ids,
-    greedy_run, sglang_engine,
+    GREEDY, LONG_GREEDY, PENALISED, PROMPTS, RULES, SAMPLE_PROMPT, SAMPLED, SAMPLES, assert_greedy_matches,
+    generate_ids, greedy_run, sglang_engine,
 )
 from tests.sglang.test_medusa_engine import ALPHA, POSITIONS, homogeneity_pvalue
 

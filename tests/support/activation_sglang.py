@@ -48,7 +48,8 @@ def served(model) -> dict:
 
     engine = sglang.Engine(model_path=str(model), **ENGINE_ARGS)
     try:
-        out = engine.generate(input_ids=[PROMPT], sampling_params={"temperature": 0.0, "max_new_tokens": MAX_NEW_TOKENS})
+        out = engine.generate(input_ids=[PROMPT],
+                              sampling_params={"temperature": 0.0, "max_new_tokens": MAX_NEW_TOKENS})
     finally:
         engine.shutdown()
     out = out[0] if isinstance(out, list) else out

@@ -63,8 +63,8 @@ def test_bench_interleaved_rounds_are_lossless_and_cover_every_prompt(tiny_llama
     head = tiny_head_dir(tiny_llama_path, specplug=SPECPLUG_CHAIN)
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", OMP_NUM_THREADS="1", VLLM_CPU_KVCACHE_SPACE="1")
     cmd = [sys.executable, "-m", "specplug.cli", "bench", "--engine", "vllm", "--model", str(tiny_llama_path),
-           "--head", str(head), "--methods", "ngram,ngram:2,none,specplug,specplug:2", "--interleave", "1", "--batch-sizes", "1",
-           "--max-new-tokens", "16", "--num-prompts", "3", "--out", str(tmp_path), "--json"]
+           "--head", str(head), "--methods", "ngram,ngram:2,none,specplug,specplug:2", "--interleave", "1",
+           "--batch-sizes", "1", "--max-new-tokens", "16", "--num-prompts", "3", "--out", str(tmp_path), "--json"]
     subprocess.run(cmd, env=env, check=True, capture_output=True, text=True, timeout=600)
     report = json.loads((tmp_path / "bench.json").read_text())
     assert report["meta"]["interleave"] == 1

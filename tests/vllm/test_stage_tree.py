@@ -310,7 +310,8 @@ def test_bench_runs_stage_tree_as_specplug_tree(target, tree_head, monkeypatch):
                                       "specplug-float-head"]
     gated = json.loads((Path(runner.speculative_config("specplug-hybrid-gated")["model"]) / "config.json").read_text())
     assert gated["specplug"]["gate"] is True and gated["specplug"]["retrieval"]
-    float_head = json.loads((Path(runner.speculative_config("specplug-float-head")["model"]) / "config.json").read_text())
+    float_dir = Path(runner.speculative_config("specplug-float-head")["model"])
+    float_head = json.loads((float_dir / "config.json").read_text())
     assert float_head["specplug"]["head_weights"] == "float" and float_head["specplug"]["stage"] == "chain"
     for method, stage, tokens, adaptive in (("specplug", "chain", TREE["depth"], False),
                                             ("specplug-tree", "tree", BUDGET, False),

@@ -144,7 +144,8 @@ def _check_medusa_counts(state: dict, heads: int, layers: int, where: str) -> No
     if found and found != list(range(heads)):
         raise CheckpointError("medusa_num_heads", f"{heads} heads (0..{heads - 1}) as config.json says",
                               f"tensors for heads {found}", where,
-                              "set medusa_num_heads to the number of heads the weights hold, or use the matching weights")
+                              "set medusa_num_heads to the number of heads the weights hold, "
+                              "or use the matching weights")
     lm = sorted({int(k.split(".")[1]) for k in state if re.match(r"^\d+\.\d+\.weight$", k)})
     if lm and lm != [layers]:
         raise CheckpointError("medusa_num_layers", f"{layers} residual blocks per head (vocab projection "

@@ -201,8 +201,8 @@ def _from_vllm_medusa(config: dict, tensors: dict, where: str) -> tuple[dict, di
         name = name[len("medusa_heads."):] if name.startswith("medusa_heads.") else name
         block, lm = _VLLM_BLOCK.match(name), _VLLM_LM.match(name)
         if block:
-            h, l, kind = block.groups()
-            state[f"{h}.{l}.linear.{kind}"] = tensor
+            h, layer, kind = block.groups()
+            state[f"{h}.{layer}.linear.{kind}"] = tensor
             bias_seen |= kind == "bias"
         elif lm:
             state[f"{lm.group(1)}.{layers}.weight"] = tensor

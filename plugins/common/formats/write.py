@@ -234,10 +234,10 @@ def _biases_zero(head: LoadedHead) -> bool:
 def _vllm_medusa_state(state: dict, layers: int, keep_bias: bool) -> dict:
     out = {}
     for name, tensor in state.items():
-        h, l, *rest = name.split(".")
+        h, layer, *rest = name.split(".")
         if rest[0] == "linear":
             if rest[1] == "weight" or keep_bias:
-                out[f"blocks.{h}.layers.{l}.{rest[1]}"] = tensor
+                out[f"blocks.{h}.layers.{layer}.{rest[1]}"] = tensor
         else:
             out[f"lm_heads.{h}.weight"] = tensor
     return out

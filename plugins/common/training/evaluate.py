@@ -102,7 +102,8 @@ def evaluate(target, tokenizer, drafter, cfg: EvalConfig) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     d = EvalConfig()
-    parser = argparse.ArgumentParser(prog="python -m specplug.common.training.evaluate", description=__doc__.split("\n")[0],
+    parser = argparse.ArgumentParser(prog="python -m specplug.common.training.evaluate",
+                                     description=__doc__.split("\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--head", required=True, help="trained head folder")
     parser.add_argument("--target", required=True, help="target model folder")

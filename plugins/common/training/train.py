@@ -141,7 +141,8 @@ class TrainConfig:
             raise ValueError("--init and --resume exclude each other: --init starts a new run from a trained "
                              "head, --resume continues this run's checkpoint (which already holds --init's start)")
         if self.method == "eagle3" and self.num_layers < 1:
-            raise ValueError(f"--num-layers must be >= 1 for an EAGLE-3 head (its decoder layers), got {self.num_layers}")
+            raise ValueError("--num-layers must be >= 1 for an EAGLE-3 head (its decoder layers), "
+                             f"got {self.num_layers}")
         if self.revocab and not (self.init and self.method == "eagle3"):
             raise ValueError("--revocab rebuilds an EAGLE-3 head's draft vocabulary from this run's data when it "
                              "starts from a trained head: pass it with `specplug train eagle3 --init HEAD` (a new "
