@@ -47,7 +47,6 @@ from specplug.common.drafting.session import DraftingSession
 from specplug.common.path_choice import best_chains
 from specplug.common.policy.calibration import HybridScale
 from specplug.common.policy.payoff import DraftGate
-from specplug.common.policy.throughput import PayoffControl
 from specplug.common.tree import TreeConfig
 
 logger = logging.getLogger(__name__)
@@ -85,16 +84,6 @@ class SpecplugEagleProposer(EagleProposer):
         if token_drafter is not None and self.specplug.calibrate and self.specplug.stage == "chain":
             scale = HybridScale(["head", "tokens"])
         self.clock = StepClock()  # the engine step between two propose calls (adaptive, gate)
-        self.payoff: PayoffControl | None = None  # each step's depth from measured tokens per second
-        if self.specplug.payoff and self.adaptive is None and self.specplug.stage == "chain":
-            from specplug.vllm_eagle3.ranks import tp_ranks
-
-            self.payoff = PayoffControl(self.num_speculative_tokens, ranks=tp_ranks())
-            logger.info("specplug payoff control on: each step drafts the depth (0..%d) that has delivered the "
-                        "most tokens per second at its batch size in this engine (\"payoff\": false or "
-                        "SPECPLUG_PAYOFF=0 turns it off)", self.num_speculative_tokens)
-        self._cycle_started: float | None = None  # when the last propose call began (payoff control)
-        self._verify_result: tuple[list[int], list[int]] | None = None  # drafts, accepted [B] of the last verify
         # the head's EagleDrafting joins the session on the loaded head at the first step
         self.session = DraftingSession(
             None, token_drafter=token_drafter, sampled=SampledDrafts(self.specplug.draft_temperature), scale=scale,
@@ -139,7 +128,6 @@ class SpecplugEagleProposer(EagleProposer):
         if self.drafting is None:
             self.session.drafting = EagleDrafting(self.head_runner(self.model))
         self._step_timed(int(common_attn_metadata.query_start_loc_cpu[common_attn_metadata.num_reqs]))
-        self._cycle_timed(common_attn_metadata)
         if self.tree_verifier is not None:  # accepted tree nodes first, as in a chain
             target_token_ids, target_positions, target_hidden_states = self.tree_verifier.committed_order(
                 target_token_ids, target_positions, target_hidden_states)
@@ -169,8 +157,8 @@ class SpecplugEagleProposer(EagleProposer):
         if self.token_drafter is not None:
             self._sync_token_drafter(requests)
         keep = [i for i, b in enumerate(rows) if not discarded[b]]  # vLLM drops partial prefills' drafts
-        if self.adaptive is not None or self.payoff is not None:
-            depth = self._choose_depth(len(keep)) if keep else 0
+        if self.adaptive is not None:
+            depth = self.adaptive.choose_depth(len(keep)) if keep else 0
             if depth == 0:  # no drafts this step: the head catches up later, in one go
                 self.drafting.defer(requests)
                 return torch.zeros(batch, 0, dtype=next_token_ids.dtype, device=next_token_ids.device)
@@ -225,29 +213,6 @@ class SpecplugEagleProposer(EagleProposer):
             out[rows[i]] = drafts[i].tolist()
         return out
 
-    def _choose_depth(self, batch: int) -> int:
-        if self.adaptive is not None:
-            return self.adaptive.choose_depth(batch)
-        return self.payoff.choose(batch)
-
-    def _cycle_timed(self, attn_metadata) -> None:
-        """Payoff control's measurement: the cycle since the last propose call (its drafting
-        and the engine step verifying its drafts), its seconds and emitted tokens (B +
-        accepted), clean when every request of the step was a decode of 1 + its drafts."""
-        now = time.perf_counter()
-        started, self._cycle_started = self._cycle_started, now
-        verified, self._verify_result = self._verify_result, None
-        if self.payoff is None or started is None:
-            return
-        batch = attn_metadata.num_reqs
-        starts = attn_metadata.query_start_loc_cpu[: batch + 1]
-        if verified is None or len(verified[0]) != batch:
-            self.payoff.cycle_done(now - started, 0, clean=False)
-            return
-        drafts, accepted = verified
-        clean = (starts[1:] - starts[:-1]).tolist() == [1 + int(d) for d in drafts]
-        self.payoff.cycle_done(now - started, batch + sum(accepted), clean)
-
     def _step_timed(self, tokens: int) -> None:
         """The engine step that just ended ran `tokens` new tokens: time it for the cost models."""
         seconds = self.clock.lap()
@@ -289,7 +254,6 @@ class SpecplugEagleProposer(EagleProposer):
 
     def _verified(self, req_ids, num_draft_tokens, num_accepted):
         """The sampler's verify result, [B] drafts scheduled and accepted per batch row."""
-        self._verify_result = (list(num_draft_tokens), num_accepted.tolist())
         if self.adaptive is not None:
             self.adaptive.record_verify(num_draft_tokens, num_accepted)
         self.session.verified(req_ids, num_draft_tokens, num_accepted.tolist())
