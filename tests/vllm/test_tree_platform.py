@@ -1,5 +1,6 @@
 """Stage "tree" on a platform other than vLLM-CPU is refused at start-up with one message
-naming the setting and the fix, before anything of vLLM's CPU attention backend is
+saying what is proven for GPUs (the attention kernel, under Triton's interpreter), what is not,
+and the fix, before anything of vLLM's CPU attention backend is
 imported (on a GPU build that import may fail and would surface as an ImportError)."""
 
 from __future__ import annotations
@@ -31,8 +32,13 @@ def cpu_attention_unimportable(monkeypatch):
 
 def test_a_gpu_platform_is_refused_before_the_cpu_backend_is_imported(monkeypatch, cpu_attention_unimportable):
     monkeypatch.setattr(current_platform, "is_cpu", lambda: False)
-    with pytest.raises(RuntimeError, match=r'runs on vLLM-CPU only; on GPUs use stage "chain"'):
+    with pytest.raises(RuntimeError, match=r"runs on vLLM-CPU only: for GPUs only its tree attention") as refused:
         tree_platform.check_platform(SimpleNamespace())
+    message = str(refused.value)  # what is proven, what is not, the fix
+    assert "proven, under Triton's interpreter on CPU" in message
+    assert "KV compaction on GPU buffers and the hook into vLLM's GPU attention backends are not" in message
+    assert message.endswith("use stage \"chain\" (\"stage\": \"chain\" in the head's specplug section, or "
+                            "SPECPLUG_STAGE=chain)")
 
 
 def test_on_vllm_cpu_the_layout_check_does_read_the_cpu_backend(monkeypatch, cpu_attention_unimportable):
