@@ -145,7 +145,8 @@ def check_parents(parents: torch.Tensor, num_nodes: torch.Tensor | None = None, 
     if num_nodes is not None:
         real = ids < num_nodes.unsqueeze(-1)
     if bool((parents[..., 0] != -1).any()):
-        raise ValueError(f"{name}[..., 0] must be -1 (node 0 is the root), got {parents[..., 0].flatten()[:8].tolist()}")
+        given = parents[..., 0].flatten()[:8].tolist()
+        raise ValueError(f"{name}[..., 0] must be -1 (node 0 is the root), got {given}")
     bad = real[..., 1:] & ((parents[..., 1:] < 0) | (parents[..., 1:] >= ids[1:]))
     if bool(bad.any()):
         where = bad.nonzero()[0].tolist()
@@ -275,7 +276,8 @@ class DraftTree:
             )
         check_parents(parents)
         if self.scores is not None and torch.as_tensor(self.scores).shape != tokens.shape:
-            raise ValueError(f"scores must have shape {tuple(tokens.shape)}, got {tuple(torch.as_tensor(self.scores).shape)}")
+            given = tuple(torch.as_tensor(self.scores).shape)
+            raise ValueError(f"scores must have shape {tuple(tokens.shape)}, got {given}")
         object.__setattr__(self, "tokens", tokens)
         object.__setattr__(self, "parents", parents)
 
@@ -663,7 +665,8 @@ def dynamic(
             break  # no frontier node is likely enough to be worth drafting children for
         logprobs = expand(front)
         if logprobs.shape[:2] != front.tokens.shape:
-            raise ValueError(f"expand must return [B, F] + [V] = {tuple(front.tokens.shape)} + [V], got {tuple(logprobs.shape)}")
+            raise ValueError(f"expand must return [B, F] + [V] = {tuple(front.tokens.shape)} + [V], "
+                             f"got {tuple(logprobs.shape)}")
         front, tree_scores = _next_frontier(front, tree_scores, logprobs, token_map)
     return _rerank(front.tree_tokens, front.tree_parents, tree_scores, budget)
 

@@ -19,9 +19,9 @@ On another SGLang version, or when one of specplug's modules fails to import (al
 imported before any hook is registered), specplug stays out: SGLang runs as without it,
 one WARNING says why, and only the STAY_OUT patches are applied: specplug's algorithm
 names are registered as refusing stubs (plus an AROUND hook on the algorithm-alias
-resolver, which reads a Medusa head folder before any algorithm's validation): a server started with one of them refuses before any
-model loads, naming the installed and supported versions (or the failed import) and the
-fix. `ACTIVATION` records what register() decided.
+resolver, which reads a Medusa head folder before any algorithm's validation): a server
+started with one of them refuses before any model loads, naming the installed and
+supported versions (or the failed import) and the fix. `ACTIVATION` records what register() decided.
 SGLang is imported only inside register(), so `import specplug` works without it.
 """
 
@@ -29,8 +29,8 @@ import logging
 
 from specplug.common.activation import Activation, decide, not_registered, sites_found, stay_out_reason
 from specplug.common.patches import ACTIVE
-from specplug.sglang_medusa.patches import (  # ALGORITHMS, ALIAS_SITE: read by tests and docs
-    ALGORITHMS, ALIAS_SITE, CPU_LINEAR, FORWARD_EXTEND, PATCHES, REFUSED_ALGORITHMS, REFUSED_ALIAS, REGISTER_SITE,
+from specplug.sglang_medusa.patches import (
+    CPU_LINEAR, FORWARD_EXTEND, PATCHES, REFUSED_ALGORITHMS, REFUSED_ALIAS, REGISTER_SITE,
     SUPPORTED_SGLANG,
 )
 
@@ -99,8 +99,8 @@ def _activate() -> None:
     PATCHES.apply(ACTIVE)  # one INFO line names every patch applied
     cpu_linear.announce(all(PATCHES.state(name).applied for name in CPU_LINEAR))
     tokens = sorted(spec.TOKEN_ALGORITHMS)
-    logger.info("specplug: registered speculative algorithms MEDUSA, SPECPLUG_EAGLE3, %s and torch_native tree verification "
-                "(AROUND hook on %s)", ", ".join(tokens), FORWARD_EXTEND)
+    logger.info("specplug: registered speculative algorithms MEDUSA, SPECPLUG_EAGLE3, %s and torch_native tree "
+                "verification (AROUND hook on %s)", ", ".join(tokens), FORWARD_EXTEND)
 
 
 def _stay_out(reason: str) -> None:

@@ -4,7 +4,8 @@ SGLang 0.5.23's TorchNativeAttnBackend has no TARGET_VERIFY path: its extend ker
 ignores `spec_info.custom_mask` and needs `extend_prefix_lens`, which a verify batch
 does not carry. `forward_extend_tree` is installed AROUND
 `TorchNativeAttnBackend.forward_extend` (through SGLang's HookRegistry, in
-`register()`: patch "TorchNativeAttnBackend.forward_extend" in patches.py); it handles verify batches and defers every other batch to the original.
+`register()`: patch "TorchNativeAttnBackend.forward_extend" in patches.py); it handles
+verify batches and defers every other batch to the original.
 
 A verify batch holds `n` draft-tree nodes per request, written to KV slots
 req_to_token[req, seq_len : seq_len + n]. Node i attends to the whole committed prefix
@@ -18,7 +19,9 @@ from __future__ import annotations
 import torch
 from torch.nn.functional import scaled_dot_product_attention
 
-from specplug.sglang_medusa.patches import FORWARD_EXTEND as TARGET  # hooked AROUND (patches.py)
+from specplug.sglang_medusa import patches
+
+TARGET = patches.FORWARD_EXTEND  # hooked AROUND (patches.py)
 
 
 def request_masks(custom_mask: torch.Tensor, seq_lens: list[int], n: int) -> list[torch.Tensor]:

@@ -124,7 +124,8 @@ def _policy(rank: int):
     from specplug.common.policy.payoff import DraftGate
 
     free = rank == 0
-    costs = StepCosts(verify=Curve([(1, 0.01), (64, 0.01 if free else 0.64)]), draft=Curve([(1, 0.0 if free else 0.05)]))
+    costs = StepCosts(verify=Curve([(1, 0.01), (64, 0.01 if free else 0.64)]),
+                      draft=Curve([(1, 0.0 if free else 0.05)]))
     chosen = []
     for ranks in (parallel.ALONE, parallel.engine_group(None)):
         controller = AdaptiveController(chain_options(3), ranks=ranks)

@@ -283,7 +283,8 @@ def test_dynamic_expanded_mask_marks_ancestors_in_call_order():
 
     def expand(f):
         seen.append(f)
-        return torch.log_softmax(torch.randn(f.tokens.shape + (VOCAB,), generator=torch.Generator().manual_seed(len(seen))), -1)
+        generator = torch.Generator().manual_seed(len(seen))
+        return torch.log_softmax(torch.randn(f.tokens.shape + (VOCAB,), generator=generator), -1)
 
     T.dynamic(expand, torch.tensor([1, 2]), torch.log_softmax(torch.randn(2, VOCAB), -1), depth=4, topk=3, budget=10)
     run = [torch.zeros(2, 1, dtype=torch.long)]
@@ -351,7 +352,8 @@ def test_chain_batch_is_an_engines_flat_chain_layout():
     assert same.parents.tolist() == [[-1, 0, 1]] * 2 and same.num_nodes.tolist() == [3, 3]
     none = T.chain_batch([0, 0], torch.zeros(0, dtype=torch.long))
     assert none.candidates.tolist() == [[0], [0]] and none.parents.tolist() == [[-1], [-1]]
-    assert T.pad_parents([torch.tensor([-1, 0, 0]), torch.tensor([-1])], 4).tolist() == [[-1, 0, 0, -1], [-1, -1, -1, -1]]
+    padded = T.pad_parents([torch.tensor([-1, 0, 0]), torch.tensor([-1])], 4)
+    assert padded.tolist() == [[-1, 0, 0, -1], [-1, -1, -1, -1]]
 
 
 @pytest.mark.parametrize("budget", [1, 2, 3, 10])

@@ -42,7 +42,7 @@ def test_an_engine_that_did_not_ask_runs_as_without_specplug(stayed_out):
     served = result["served"]
     assert len(served["ids"]) == 8
     # the only hook is the refusal on the alias resolver; no tree attention, admission, ...
-    assert served["hooked"] == served["patched"] == [sglang_medusa.ALIAS_SITE]
+    assert served["hooked"] == served["patched"] == [sglang_medusa.patches.ALIAS_SITE]
     assert served["medusa_spec"] == "CustomSpecAlgo"  # the refusing stub, not specplug's SpecplugSpecAlgo
     assert "registered speculative algorithms" not in output  # no process of the engine activated specplug
     assert result["activation"]["active"] is False
@@ -51,7 +51,7 @@ def test_an_engine_that_did_not_ask_runs_as_without_specplug(stayed_out):
     assert [level for level, _ in result["records"]] == ["WARNING"], result["records"]
     message = result["records"][0][1]
     assert message.startswith(STAYS_OUT) and all(name in message for name in NAMED[case]), message
-    for algorithm in (*sglang_medusa.ALGORITHMS, "LOOKUP"):  # LOOKUP: tests/support/drafter_plugin
+    for algorithm in (*sglang_medusa.patches.ALGORITHMS, "LOOKUP"):  # LOOKUP: tests/support/drafter_plugin
         assert algorithm in message
 
 
@@ -71,7 +71,7 @@ def test_algorithm_names_match_what_the_adapter_registers():
 
     builtin = {"retrieval", "draft_model", "self_spec"}
     assert builtin <= set(token_drafter_names())
-    assert set(sglang_medusa.ALGORITHMS) == {spec.NAME, spec.EAGLE3} | {name.upper() for name in builtin}
+    assert set(sglang_medusa.patches.ALGORITHMS) == {spec.NAME, spec.EAGLE3} | {name.upper() for name in builtin}
 
 
 def test_patch_sites_name_every_hook_target_and_all_exist():

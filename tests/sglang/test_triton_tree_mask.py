@@ -108,7 +108,8 @@ def _kernel(cases: list[dict], tmp_path: Path) -> list[torch.Tensor]:
     keys = ("q", "k", "v", "k_buffer", "v_buffer", "qo_indptr", "kv_indptr", "kv_indices", "custom_mask",
             "mask_indptr", "n", "sm_scale", "tile", "skip_prefix_custom_mask")
     torch.save([{k: c[k] for k in keys} for c in cases], tmp_path / "cases.pt")
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=path)
     proc = subprocess.run([sys.executable, "-m", "tests.support.triton_extend_attention", str(tmp_path / "cases.pt"),
                            str(tmp_path / "out.pt")], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
