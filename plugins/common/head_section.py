@@ -52,15 +52,17 @@ MEDUSA_SHAPES = ("optimal", "chain", "choices")
 ENV_TREE = "SPECPLUG_TREE"  # a JSON object of TreeConfig fields, over the section's "tree"
 ENV_STAGE = "SPECPLUG_STAGE"  # chain / tree
 ENV_GATE = "SPECPLUG_GATE"  # 1 / 0
+ENV_PAYOFF = "SPECPLUG_PAYOFF"  # 1 / 0, over "payoff" (default on)
 ENV_HEAD_WEIGHTS = "SPECPLUG_HEAD_WEIGHTS"  # float / int8 / int4, over "head_weights"
 ENV_HEAD_INT8 = "SPECPLUG_HEAD_INT8"  # the older switch (1 / 0), over "head_int8"
 ENV_MEDUSA_TREE = "SPECPLUG_MEDUSA_TREE"  # Medusa heads: optimal / chain / JSON choices / a JSON file of them
 BOOLS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
 TREE_KEYS = tuple(f.name for f in fields(TreeConfig))
 KEYS = ("version", "method", "tree", "verification", "stage", "adaptive", "retrieval", "drafter", "calibrate",
-        "draft_temperature", "gate", "head_weights", "head_int8", "head_accuracies", "choices")
+        "draft_temperature", "gate", "payoff", "head_weights", "head_int8", "head_accuracies", "choices")
+# true / false fields: (key, variable, what it turns on)
 FLAGS = (("adaptive", ENV_ADAPTIVE, "adaptive speculation"), ("calibrate", ENV_CALIBRATE, "calibrated hybrid scores"),
-         ("gate", ENV_GATE, "the draft gate"))  # true / false fields: (key, variable, what it turns on)
+         ("gate", ENV_GATE, "the draft gate"), ("payoff", ENV_PAYOFF, "payoff control"))
 # fields an engine argument may set (Argument), besides "tree.<key>"
 ARGUMENT_FIELDS = ("verification.typical_epsilon", "verification.typical_delta", "adaptive")
 
@@ -190,6 +192,9 @@ class HeadSettings:
     draft_temperature: sampled drafts: requests that sample get drafts drawn from the
       head's q at this temperature, verified with q (lossless); None = top-k drafts.
     gate: vLLM stage "chain": draft for a request only when the chain pays for itself.
+    payoff: vLLM stage "chain": per step, draft the depth (down to none) that has
+      delivered the most tokens per second at this batch size
+      (specplug.common.policy.throughput); "adaptive" replaces it when set.
     head_weights: "float", "int8" or "int4": an EAGLE-3 head's linears with weight-only
       quantized weights where they can run (bf16 / fp32 on a CPU); drafts only.
     medusa: MedusaTree (Medusa heads: the static tree's shape, choices, head accuracies).
@@ -203,6 +208,7 @@ class HeadSettings:
     calibrate: bool = False
     draft_temperature: float | None = None
     gate: bool = False
+    payoff: bool = True
     head_weights: str = "float"
     medusa: MedusaTree = MedusaTree()
 

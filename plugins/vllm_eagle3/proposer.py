@@ -29,6 +29,7 @@ import torch
 from vllm.v1.spec_decode.eagle import EagleProposer
 
 from specplug.vllm_eagle3.adaptive import AdaptiveController, StepClock
+from specplug.vllm_eagle3.ranks import tp_ranks
 from specplug.vllm_eagle3.dense_head import DenseEagle1Head, DenseEagle3Head, use_quantized_weights
 from specplug.vllm_eagle3.runner_state import RunnerState
 from specplug.vllm_eagle3.sampler import SpecplugChainSampler, needs_chain
@@ -47,6 +48,7 @@ from specplug.common.drafting.session import DraftingSession
 from specplug.common.path_choice import best_chains
 from specplug.common.policy.calibration import HybridScale
 from specplug.common.policy.payoff import DraftGate
+from specplug.common.policy.throughput import PayoffControl
 from specplug.common.tree import TreeConfig
 
 logger = logging.getLogger(__name__)
@@ -67,6 +69,8 @@ class SpecplugEagleProposer(EagleProposer):
         self.head_runner = DenseEagle3Head if self.method == "eagle3" else DenseEagle1Head
         self.specplug = adapter_settings(section)
         check_num_speculative_tokens(self.specplug, self.num_speculative_tokens)
+        self.ranks = tp_ranks()  # the engine's TP group: decisions are rank 0's (specplug.common.parallel)
+        self.steps = 0  # propose calls, the step number of the rank check
         self.tree_verifier = None  # stage "tree": a TreeVerifier, built with the runner
         if self.specplug.stage == "tree":
             from specplug.vllm_eagle3.tree_platform import check_platform
@@ -84,10 +88,18 @@ class SpecplugEagleProposer(EagleProposer):
         if token_drafter is not None and self.specplug.calibrate and self.specplug.stage == "chain":
             scale = HybridScale(["head", "tokens"])
         self.clock = StepClock()  # the engine step between two propose calls (adaptive, gate)
+        self.payoff: PayoffControl | None = None  # each step's depth from measured tokens per second
+        if self.specplug.payoff and self.adaptive is None and self.specplug.stage == "chain":
+            self.payoff = PayoffControl(self.num_speculative_tokens, ranks=self.ranks)
+            logger.info("specplug payoff control on: each step drafts the depth (0..%d) that has delivered the "
+                        "most tokens per second at its batch size in this engine (\"payoff\": false or "
+                        "SPECPLUG_PAYOFF=0 turns it off)", self.num_speculative_tokens)
+        self._cycle_started: float | None = None  # when the last propose call began (payoff control)
+        self._verify_result: tuple[list[int], list[int]] | None = None  # drafts, accepted [B] of the last verify
         # the head's EagleDrafting joins the session on the loaded head at the first step
         self.session = DraftingSession(
             None, token_drafter=token_drafter, sampled=SampledDrafts(self.specplug.draft_temperature), scale=scale,
-            gate=DraftGate() if self.specplug.gate else None)
+            gate=DraftGate(ranks=self.ranks) if self.specplug.gate else None)
         memory.from_environment()  # opt-in: SPECPLUG_MALLOC_TRIM_S, SPECPLUG_MEMORY_LOG_S (docs/reliability.md)
         self._log_active()
 
@@ -128,18 +140,22 @@ class SpecplugEagleProposer(EagleProposer):
         if self.drafting is None:
             self.session.drafting = EagleDrafting(self.head_runner(self.model))
         self._step_timed(int(common_attn_metadata.query_start_loc_cpu[common_attn_metadata.num_reqs]))
+        self._cycle_timed(common_attn_metadata)
         if self.tree_verifier is not None:  # accepted tree nodes first, as in a chain
             target_token_ids, target_positions, target_hidden_states = self.tree_verifier.committed_order(
                 target_token_ids, target_positions, target_hidden_states)
         try:
             with torch.inference_mode():
-                return self._propose_chains(
+                drafts = self._propose_chains(
                     num_speculative_tokens, target_token_ids, target_positions,
                     target_hidden_states, next_token_ids, common_attn_metadata,
                     num_rejected_tokens_gpu,
                 )
         finally:
             self.clock.stop()
+        self.steps += 1
+        self.ranks.check(self.steps, drafts)  # SPECPLUG_CHECK_RANKS=1: every TP rank drafted the same
+        return drafts
 
     # -- specplug path ------------------------------------------------------------
     def _propose_chains(self, depth, token_ids, positions, aux_hidden, next_token_ids,
@@ -157,8 +173,8 @@ class SpecplugEagleProposer(EagleProposer):
         if self.token_drafter is not None:
             self._sync_token_drafter(requests)
         keep = [i for i, b in enumerate(rows) if not discarded[b]]  # vLLM drops partial prefills' drafts
-        if self.adaptive is not None:
-            depth = self.adaptive.choose_depth(len(keep)) if keep else 0
+        if self.adaptive is not None or self.payoff is not None:
+            depth = self._choose_depth(len(keep)) if keep else 0
             if depth == 0:  # no drafts this step: the head catches up later, in one go
                 self.drafting.defer(requests)
                 return torch.zeros(batch, 0, dtype=next_token_ids.dtype, device=next_token_ids.device)
@@ -213,6 +229,29 @@ class SpecplugEagleProposer(EagleProposer):
             out[rows[i]] = drafts[i].tolist()
         return out
 
+    def _choose_depth(self, batch: int) -> int:
+        if self.adaptive is not None:
+            return self.adaptive.choose_depth(batch)
+        return self.payoff.choose(batch)
+
+    def _cycle_timed(self, attn_metadata) -> None:
+        """Payoff control's measurement: the cycle since the last propose call (its drafting
+        and the engine step verifying its drafts), its seconds and each request's drafts and
+        accepted drafts, clean when every request of the step was a decode of 1 + its drafts."""
+        now = time.perf_counter()
+        started, self._cycle_started = self._cycle_started, now
+        verified, self._verify_result = self._verify_result, None
+        if self.payoff is None or started is None:
+            return
+        batch = attn_metadata.num_reqs
+        starts = attn_metadata.query_start_loc_cpu[: batch + 1]
+        if verified is None or len(verified[0]) != batch:
+            self.payoff.cycle_done(now - started, [], [], clean=False)
+            return
+        drafts, accepted = verified
+        clean = (starts[1:] - starts[:-1]).tolist() == [1 + int(d) for d in drafts]
+        self.payoff.cycle_done(now - started, drafts, accepted, clean)
+
     def _step_timed(self, tokens: int) -> None:
         """The engine step that just ended ran `tokens` new tokens: time it for the cost models."""
         seconds = self.clock.lap()
@@ -254,6 +293,7 @@ class SpecplugEagleProposer(EagleProposer):
 
     def _verified(self, req_ids, num_draft_tokens, num_accepted):
         """The sampler's verify result, [B] drafts scheduled and accepted per batch row."""
+        self._verify_result = (list(num_draft_tokens), num_accepted.tolist())
         if self.adaptive is not None:
             self.adaptive.record_verify(num_draft_tokens, num_accepted)
         self.session.verified(req_ids, num_draft_tokens, num_accepted.tolist())

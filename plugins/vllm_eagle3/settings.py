@@ -134,9 +134,7 @@ def check_head_shards(speculative_config: Any) -> None:
     """ValueError naming the head's dimensions that vLLM cannot shard over the engine's
     tensor_parallel_size (specplug.common.parallel.shard_error), for specplug heads only:
     vLLM builds the head with the target's TP size and would fail at load with an
-    AssertionError from its vocab-parallel or QKV layers. Above one rank, the draft gate
-    is refused too: the proposer builds it without the engine's group, so its per-rank
-    decisions would differ (specplug.common.parallel's rank rule)."""
+    AssertionError from its vocab-parallel or QKV layers."""
     draft = getattr(speculative_config, "draft_model_config", None)
     parallel = getattr(speculative_config, "target_parallel_config", None)
     if draft is None or parallel is None:
@@ -148,10 +146,6 @@ def check_head_shards(speculative_config: Any) -> None:
     message = shard_error(draft.hf_config, tp_size, f"the specplug head {draft.model}", "tensor_parallel_size")
     if message is not None:
         raise ValueError(message)
-    if tp_size > 1 and adapter_settings(section).gate:
-        raise ValueError(f"specplug \"gate\" at tensor_parallel_size {tp_size}: the draft gate decides from each "
-                         f"rank's own step timings, which differ between ranks: drop \"gate\" (or set {ENV_GATE}=0), "
-                         "or run with tensor_parallel_size 1")
 
 
 def checking_head_shards(post_init):

@@ -32,12 +32,13 @@ def test_no_section_gives_every_default_with_source_default():
     assert parsed.settings.tree == TreeConfig()
     assert parsed.settings.verification == Verification("lossless", TYPICAL_EPSILON, TYPICAL_DELTA)
     assert (parsed.settings.stage, parsed.settings.adaptive, parsed.settings.drafter, parsed.settings.calibrate,
-            parsed.settings.draft_temperature, parsed.settings.gate, parsed.settings.head_weights) == \
-        ("chain", False, None, False, None, False, "float")
+            parsed.settings.draft_temperature, parsed.settings.gate, parsed.settings.payoff,
+            parsed.settings.head_weights) == ("chain", False, None, False, None, False, True, "float")
     assert parsed.settings.medusa == MedusaTree("optimal", None, None)
     names = {f"tree.{k}" for k in hs.TREE_KEYS} | {"verification.method", "verification.typical_epsilon",
                                                      "verification.typical_delta", "stage", "adaptive", "drafter",
-                                                     "calibrate", "draft_temperature", "gate", "head_weights",
+                                                     "calibrate", "draft_temperature", "gate", "payoff",
+                                                     "head_weights",
                                                      "medusa.shape", "medusa.choices", "medusa.head_accuracies"}
     assert set(parsed.sources) == names
 

@@ -18,6 +18,9 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # Engines size their KV cache with kv_cache_memory_bytes (KV_CACHE_BYTES); vLLM-CPU's legacy
 # VLLM_CPU_KVCACHE_SPACE (whole GiB) would override it for every engine of the session.
 os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
+# Engine tests pin the draft depth (num_speculative_tokens) so that each drafting path runs
+# every step; payoff control, on by default for users, is tested on its own (test_payoff.py).
+os.environ.setdefault("SPECPLUG_PAYOFF", "0")
 
 from tests.support.tiny_eagle3 import (  # noqa: E402
     agreeing_head_dir,

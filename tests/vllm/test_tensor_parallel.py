@@ -29,7 +29,8 @@ REFUSAL = ("the specplug head H cannot be sharded over tensor_parallel_size 3: d
 
 def _speculative_config(tp_size: int, section: dict | None = None, method: str = "eagle3", **shape):
     config = {**SHAPE, **shape, **({"specplug": section} if section is not None else {})}
-    return SimpleNamespace(method=method, draft_model_config=SimpleNamespace(model="H", hf_config=SimpleNamespace(**config)),
+    draft = SimpleNamespace(model="H", hf_config=SimpleNamespace(**config))
+    return SimpleNamespace(method=method, draft_model_config=draft,
                            target_parallel_config=SimpleNamespace(tensor_parallel_size=tp_size))
 
 
@@ -77,17 +78,6 @@ def test_one_rank_decides_alone():
     from specplug.vllm_eagle3.ranks import tp_ranks
 
     assert tp_ranks() is ALONE and AdaptiveController(3).ranks is ALONE
-
-
-def test_the_draft_gate_is_refused_above_one_rank(monkeypatch):
-    monkeypatch.delenv("SPECPLUG_GATE", raising=False)
-    section = {"method": "eagle3", "gate": True}
-    check_head_shards(_speculative_config(1, section))
-    with pytest.raises(ValueError, match=r'specplug "gate" at tensor_parallel_size 3: .*drop "gate" \(or set '
-                                         r"SPECPLUG_GATE=0\), or run with tensor_parallel_size 1"):
-        check_head_shards(_speculative_config(3, section, draft_vocab_size=8256))
-    monkeypatch.setenv("SPECPLUG_GATE", "0")
-    check_head_shards(_speculative_config(3, section, draft_vocab_size=8256))
 
 
 @pytest.mark.slow

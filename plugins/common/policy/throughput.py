@@ -1,0 +1,182 @@
+"""Payoff control: per engine step, how many tokens to draft (0 = none), chosen from what
+each choice costs on this engine at this batch size and what the drafts yield.
+
+An arm is a draft depth d = 0..max_depth (0: a plain step, nothing drafted). A cycle is
+one drafting call and the engine step that verifies its drafts; the adapter reports each
+cycle's wall time with the drafts and accepted drafts of every request (`cycle_done`).
+The control keeps, per batch bucket and arm, the seconds of the last `window` clean
+cycles (decode only: no prefill joined the step), and, pooled over all cycles, the
+acceptance of each draft position (alpha_i: accepted given reached, decayed). The rate
+of arm d at batch B is
+
+    rate(d) = B * (1 + alpha_1 + alpha_1 alpha_2 + ... + alpha_1...alpha_d) / T(bucket, d)
+
+with T the arm's mean measured cycle time: drafting, the verify pass, the sampler and
+the engine's work around them, all in it. The best rate runs; a drafting arm must beat
+the plain step by `margin`. Timings are the engine's own, so a drafting arm that loses
+to the plain step runs only for its measurements.
+
+Exploration: at a new bucket the arms are timed shallowest first, `min_samples` cycles
+each, and a deeper arm is skipped when even at the cost of the one before it its tokens
+could not beat the best rate so far. Every `probe_every`-th cycle at a bucket re-times a
+neighbour of the best arm (the one timed longest ago), so the choice follows changes in
+load and acceptance. The first drafting cycle after plain ones carries the head's
+deferred catch-up: it is not timed, and a drafting probe from plain runs two cycles.
+
+Invariant: any choice is lossless (the engine verifies exactly the drafts it is handed),
+and the choice is a function of the recorded timings and acceptance only. Under tensor
+parallelism each rank measures its own wall clock, so the depth is rank 0's, broadcast
+(`ranks`, specplug.common.parallel's rank rule).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections import Counter, defaultdict, deque
+from dataclasses import dataclass
+from typing import Sequence
+
+from specplug.common.parallel import ALONE, RankGroup
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PayoffSettings:
+    """Settings of payoff control (defaults in one place)."""
+
+    window: int = 16         # recent clean cycles timed per (batch bucket, depth)
+    min_samples: int = 3     # timed cycles a depth needs at a bucket before it competes
+    probe_every: int = 32    # every n-th cycle at a bucket re-times a neighbour of the best depth
+    margin: float = 1.02     # a drafting depth must beat the plain step's rate by this factor
+    decay: float = 0.998     # per-cycle decay of the acceptance counts
+    prior: float = 2.0       # pseudo-counts of acceptance 1 per position (optimism before evidence)
+    log_every: int = 1000    # cycles between INFO summaries
+
+
+def batch_bucket(batch: int) -> int:
+    """Batches timed together: each size up to 8, then powers of two (9-16 -> 16, ...)."""
+    return batch if batch <= 8 else 2 ** math.ceil(math.log2(batch))
+
+
+class Acceptance:
+    """Per draft position i = 1..max_depth: decayed counts of requests that reached it
+    (drafted at least i, accepted the i - 1 before) and of those that accepted it."""
+
+    def __init__(self, max_depth: int, settings: PayoffSettings):
+        self.settings = settings
+        self.reached = [settings.prior] * max_depth
+        self.accepted = [settings.prior] * max_depth
+
+    def update(self, drafts: Sequence[int], accepted: Sequence[int]) -> None:
+        d = self.settings.decay
+        self.reached = [r * d for r in self.reached]
+        self.accepted = [a * d for a in self.accepted]
+        for k, a in zip(drafts, accepted):
+            for i in range(min(int(k), int(a) + 1, len(self.reached))):
+                self.reached[i] += 1
+                self.accepted[i] += i < int(a)
+
+    def tokens_per_request(self, depth: int) -> float:
+        """1 + the expected accepted drafts of a chain of `depth`."""
+        total, reach = 1.0, 1.0
+        for i in range(depth):
+            reach *= self.accepted[i] / self.reached[i]
+            total += reach
+        return total
+
+
+class PayoffControl:
+    """The depth of each engine step (module docstring). Call order per step:
+    `cycle_done(seconds, drafts, accepted, clean)` for the cycle just finished (ignored
+    before the first choice), then `choose(batch)`."""
+
+    def __init__(self, max_depth: int, settings: PayoffSettings = PayoffSettings(), ranks: RankGroup = ALONE):
+        if max_depth < 1:
+            raise ValueError(f"payoff control needs num_speculative_tokens >= 1, got {max_depth}")
+        self.max_depth, self.settings, self.ranks = max_depth, settings, ranks
+        self.acceptance = Acceptance(max_depth, settings)
+        self.times: dict[tuple[int, int], deque] = defaultdict(lambda: deque(maxlen=settings.window))
+        self.timed_at: dict[tuple[int, int], int] = {}  # (bucket, depth) -> cycle of its last timing
+        self.cycles: Counter = Counter()  # per bucket
+        self.choice_counts: Counter = Counter()  # per depth
+        self._in_flight: tuple[int, int, int, bool] | None = None  # bucket, batch, depth, timed?
+        self._previous: int | None = None
+        self._held: list[int] = []  # depths forced for the next cycles (a probe's second cycle)
+
+    def cycle_done(self, seconds: float, drafts: Sequence[int], accepted: Sequence[int], clean: bool = True) -> None:
+        """The last chosen cycle took `seconds`; drafts [B] and accepted [B] per request of
+        the step that verified it; `clean`: no prefill and no request change disturbed it."""
+        in_flight, self._in_flight = self._in_flight, None
+        if any(drafts):
+            self.acceptance.update(drafts, accepted)
+        if in_flight is None or not clean or seconds <= 0:
+            return
+        bucket, _, depth, timed = in_flight
+        if timed:
+            self.times[(bucket, depth)].append(seconds)
+            self.timed_at[(bucket, depth)] = self.cycles[bucket]
+
+    def choose(self, batch: int) -> int:
+        """Drafts per request for this step: 0..max_depth (rank 0's choice under TP)."""
+        bucket = batch_bucket(batch)
+        self.cycles[bucket] += 1
+        depth = int(self.ranks.decide_once(self._decide(bucket, batch)))
+        catching_up = depth > 0 and self._previous == 0
+        self._in_flight = (bucket, batch, depth, not catching_up)
+        self._previous = depth
+        self.choice_counts[depth] += 1
+        self._log(bucket, batch)
+        return depth
+
+    def cost(self, bucket: int, depth: int) -> float | None:
+        """Mean seconds of a cycle of `depth` at `bucket`, None before min_samples timings."""
+        samples = self.times.get((bucket, depth), ())
+        return sum(samples) / len(samples) if len(samples) >= self.settings.min_samples else None
+
+    def rate(self, bucket: int, batch: int, depth: int, cost: float | None = None) -> float | None:
+        """Expected tokens per second of `depth` for `batch` requests (at `cost` seconds a
+        cycle; None: its measured cost), None when not timed."""
+        cost = self.cost(bucket, depth) if cost is None else cost
+        return None if cost is None else batch * self.acceptance.tokens_per_request(depth) / cost
+
+    def best(self, bucket: int, batch: int) -> int:
+        """The timed depth with the best rate (drafting ones discounted by the margin)."""
+        rates = {d: self.rate(bucket, batch, d) for d in range(self.max_depth + 1)}
+        timed = [d for d, r in rates.items() if r is not None]
+        return max(timed, key=lambda d: rates[d] / (self.settings.margin if d else 1.0))
+
+    def _decide(self, bucket: int, batch: int) -> int:
+        if self._held:
+            return self._held.pop(0)
+        untimed = [d for d in range(self.max_depth + 1) if self.cost(bucket, d) is None]
+        if untimed and (untimed[0] == 0 or self._could_win(bucket, batch, untimed[0])):
+            return untimed[0]
+        best = self.best(bucket, batch)
+        if self.cycles[bucket] % self.settings.probe_every:
+            return best
+        neighbours = [d for d in (best - 1, best + 1) if 0 <= d <= self.max_depth
+                      and (d < best or self._could_win(bucket, batch, d))]
+        if not neighbours:
+            return best
+        probe = min(neighbours, key=lambda d: self.timed_at.get((bucket, d), -1))
+        if probe > 0 and self._previous == 0:
+            self._held.append(probe)  # the first drafting cycle after plain ones is not timed
+        return probe
+
+    def _could_win(self, bucket: int, batch: int, depth: int) -> bool:
+        """Whether `depth`, at most as fast as the timed depth below it, could beat the best rate."""
+        floor = self.cost(bucket, depth - 1)
+        if floor is None:
+            return True
+        best = self.best(bucket, batch)
+        return self.rate(bucket, batch, depth, cost=floor) > self.rate(bucket, batch, best) * self.settings.margin
+
+    def _log(self, bucket: int, batch: int) -> None:
+        if sum(self.choice_counts.values()) % self.settings.log_every:
+            return
+        rates = {d: self.rate(bucket, batch, d) for d in range(self.max_depth + 1)}
+        logger.info("specplug payoff control: steps per draft depth %s; at batch %d, tokens/s by depth %s",
+                    dict(sorted(self.choice_counts.items())), batch,
+                    {d: None if r is None else round(r, 1) for d, r in rates.items()})

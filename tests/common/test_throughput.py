@@ -1,0 +1,138 @@
+"""Payoff control (specplug.common.policy.throughput) against simulated engines whose
+best depth is known: it settles on that depth at each batch size, and what it delivers
+stays within 2% of the best fixed depth, exploration included."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from specplug.common.parallel import RankGroup
+from specplug.common.policy.throughput import PayoffControl, PayoffSettings, batch_bucket
+
+MAX_DEPTH = 4
+ALPHA = 0.7  # per-position acceptance of the simulated drafter
+
+
+class SimulatedEngine:
+    """A step over n tokens costs base + per_token * n seconds; drafting depth d costs
+    draft * d; a request emits 1 + ALPHA + ... + ALPHA^d tokens a cycle on average (the
+    accepted counts drawn per request); timings carry 3% noise."""
+
+    def __init__(self, base: float, per_token: float, draft: float, seed: int = 0):
+        self.base, self.per_token, self.draft = base, per_token, draft
+        self.random = random.Random(seed)
+
+    def cycle(self, batch: int, depth: int) -> tuple[float, list[int], list[int]]:
+        """(seconds, drafts [B], accepted [B]) of one cycle."""
+        seconds = (self.base + self.per_token * batch * (1 + depth) + self.draft * depth)
+        seconds *= 1 + 0.03 * self.random.uniform(-1, 1)
+        accepted = []
+        for _ in range(batch):
+            a = 0
+            while a < depth and self.random.random() < ALPHA:
+                a += 1
+            accepted.append(a)
+        return seconds, [depth] * batch, accepted
+
+    def expected_rate(self, batch: int, depth: int) -> float:
+        tokens = batch * sum(ALPHA ** i for i in range(depth + 1))
+        return tokens / (self.base + self.per_token * batch * (1 + depth) + self.draft * depth)
+
+
+def run(control: PayoffControl, engine: SimulatedEngine, batch: int, cycles: int) -> tuple[float, list[int]]:
+    """Tokens per second over `cycles` cycles at `batch`, and the depths chosen."""
+    seconds = tokens = 0.0
+    chosen = []
+    for _ in range(cycles):
+        depth = control.choose(batch)
+        s, drafts, accepted = engine.cycle(batch, depth)
+        control.cycle_done(s, drafts, accepted)
+        seconds, tokens = seconds + s, tokens + batch + sum(accepted)
+        chosen.append(depth)
+    return tokens / seconds, chosen
+
+
+# a CPU-like engine: memory-bound base, a few ms per verified token, ~3 ms per head level
+CPU_LIKE = dict(base=0.030, per_token=0.0015, draft=0.003)
+
+
+@pytest.mark.parametrize("batch", [1, 2, 4, 8, 16, 64])
+def test_it_delivers_within_two_percent_of_the_best_fixed_depth(batch):
+    engine = SimulatedEngine(**CPU_LIKE, seed=batch)
+    rate, chosen = run(PayoffControl(MAX_DEPTH), engine, batch, 600)
+    best = max(range(MAX_DEPTH + 1), key=lambda d: engine.expected_rate(batch, d))
+    assert rate >= 0.98 * engine.expected_rate(batch, best)
+    settled = [d for d in set(chosen[-200:]) if chosen[-200:].count(d) >= 20]  # probes aside
+    assert all(engine.expected_rate(batch, d) >= 0.97 * engine.expected_rate(batch, best) for d in settled)
+
+
+def test_it_drafts_at_batch_one_and_runs_plain_where_drafting_loses():
+    engine = SimulatedEngine(**CPU_LIKE)
+    control = PayoffControl(MAX_DEPTH)
+    _, small = run(control, engine, 1, 300)
+    _, large = run(control, engine, 64, 300)
+    assert small[-100:].count(0) < 10  # batch 1 speculates
+    assert large[-100:].count(0) > 90  # batch 64 runs plain (drafting costs more than it yields)
+    assert control.best(1, 1) > 0 and control.best(64, 64) == 0
+
+
+def test_the_first_drafting_cycle_after_plain_ones_and_unclean_cycles_are_not_timed():
+    control = PayoffControl(2, PayoffSettings(min_samples=1))
+    plain, one = [0] * 4, [1] * 4
+    assert control.choose(4) == 0  # shallowest first
+    control.cycle_done(1.0, plain, plain)
+    assert control.choose(4) == 1  # could win (acceptance unknown: optimistic)
+    control.cycle_done(10.0, one, one)  # carries the head's catch-up: not timed
+    assert control.cost(4, 1) is None
+    assert control.choose(4) == 1
+    control.cycle_done(1.0, one, one, clean=False)  # a prefill joined the step: not timed
+    assert control.cost(4, 1) is None
+    assert control.choose(4) == 1
+    control.cycle_done(1.5, one, one)
+    assert control.cost(4, 1) == 1.5
+
+
+def test_a_deeper_depth_that_cannot_win_is_never_timed():
+    """At the cost of depth 1, depth 2's tokens cannot beat plain steps: it is skipped."""
+    control = PayoffControl(2, PayoffSettings(min_samples=1))
+    for seconds, drafts, accepted in ((1.0, 0, 0), (9.0, 1, 0), (3.0, 1, 0), (1.0, 0, 0)):
+        control.choose(8)
+        control.cycle_done(seconds, [drafts] * 8, [accepted] * 8)
+    assert control.cost(8, 2) is None and control.best(8, 8) == 0
+    assert control.choose(8) == 0
+
+
+def test_a_drafting_probe_from_plain_runs_two_cycles():
+    control = PayoffControl(1, PayoffSettings(min_samples=1, probe_every=5))
+    none, one = [0] * 8, [1] * 8
+    for seconds, drafts in ((1.0, none), (1.0, one), (2.0, one), (1.0, none)):  # plain, 1 (catch-up), 1, best
+        control.choose(8)
+        control.cycle_done(seconds, drafts, none)
+    assert control.best(8, 8) == 0
+    assert control.choose(8) == 1  # cycle 5: a probe of depth 1, from plain
+    control.cycle_done(5.0, one, none)  # its catch-up cycle, not timed
+    assert control.choose(8) == 1  # held: its second cycle is the timed one
+
+
+class FirstRankSays(RankGroup):
+    """A rank group whose rank 0 chose `depth` (what decide_once returns on every rank)."""
+
+    def __init__(self, depth: int):
+        super().__init__()
+        self.depth = depth
+
+    def decide_once(self, values):
+        return self.depth
+
+
+def test_every_rank_runs_rank_zeros_depth():
+    control = PayoffControl(MAX_DEPTH, ranks=FirstRankSays(2))
+    assert [control.choose(4) for _ in range(5)] == [2] * 5
+
+
+def test_batch_buckets_and_bad_arguments():
+    assert [batch_bucket(b) for b in (1, 5, 8, 9, 16, 17, 64)] == [1, 5, 8, 16, 16, 32, 64]
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        PayoffControl(0)

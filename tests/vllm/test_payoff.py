@@ -1,0 +1,44 @@
+"""Payoff control in vLLM (on by default, stage "chain"): each step drafts the depth that
+has delivered the most tokens per second at its batch size. Greedy output equals vLLM
+without speculation whatever depths it runs; "payoff": false and SPECPLUG_PAYOFF=0 turn
+it off. (The suite's other engine tests pin the depth: conftest sets SPECPLUG_PAYOFF=0.)"""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("vllm", reason="needs the vLLM environment: bash scripts/test.sh vllm")
+
+from tests.support.tiny_eagle3 import tiny_head_dir  # noqa: E402
+from tests.vllm.conftest import PROMPTS, SPECPLUG_CHAIN, drafter_of  # noqa: E402
+from tests.vllm.test_stage_chain import params, run, token_ids  # noqa: E402
+
+pytestmark = pytest.mark.vllm
+
+
+@pytest.fixture(scope="module")
+def payoff_engine(engine, target):
+    with pytest.MonkeyPatch.context() as patch:
+        patch.delenv("SPECPLUG_PAYOFF", raising=False)  # the user's default: on
+        return engine(target, tiny_head_dir(target, specplug={**SPECPLUG_CHAIN, "tree": {"topk": 2}, "payoff": True}))
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+def test_greedy_output_equals_no_speculation_whatever_depths_run(engine, target, payoff_engine, batch):
+    sampling = params(max_tokens=48, temperature=0.0)
+    prompts = PROMPTS[:batch]
+    spec, stats = run(payoff_engine, prompts, sampling)
+    assert spec == token_ids(engine(target).generate(prompts, sampling, use_tqdm=False))
+    control = drafter_of(payoff_engine).payoff
+    assert control is not None and stats.num_drafts > 0
+    assert len(control.choice_counts) >= 2  # it timed plain steps and drafting ones
+    assert control.cost(batch, 0) is not None
+
+
+def test_payoff_false_or_the_environment_turns_it_off(target, monkeypatch):
+    from specplug.vllm_eagle3.settings import adapter_settings
+
+    assert adapter_settings({}, environ={}).payoff
+    assert not adapter_settings({"payoff": False}, environ={}).payoff
+    assert not adapter_settings({}, environ={"SPECPLUG_PAYOFF": "0"}).payoff
+    assert adapter_settings({"payoff": False}, environ={"SPECPLUG_PAYOFF": "1"}).payoff
