@@ -2,7 +2,7 @@
 CPU attention backend is imported (that module may not import on a GPU build).
 
 Stage "tree" masks vLLM-CPU's attention backend (tree_attention.py) over its paged KV
-layout (paged_kv.py). For GPUs only its attention kernel (tree_attention_triton.py) exists and
+layout (paged_kv.py). For GPUs only its attention kernel (specplug.common.cuda.tree_attention_triton) exists and
 is proven, under Triton's interpreter on CPU (tests/vllm/test_tree_attention_triton.py); tree
 positions and KV compaction on GPU buffers and the hook into vLLM's GPU attention backends are
 not, so on any other platform stage "tree" is refused here with one message saying what is
@@ -12,7 +12,7 @@ proven, what is not and the fix, never an ImportError from deeper down.
 from __future__ import annotations
 
 GPU_REFUSAL = ("specplug stage \"tree\" runs on vLLM-CPU only: for GPUs only its tree attention kernel "
-               "(specplug.vllm_eagle3.tree_attention_triton) is proven, under Triton's interpreter on CPU; tree "
+               "(specplug.common.cuda.tree_attention_triton) is proven, under Triton's interpreter on CPU; tree "
                "positions and KV compaction on GPU buffers and the hook into vLLM's GPU attention backends are "
                "not, so a GPU is refused: use stage \"chain\" (\"stage\": \"chain\" in the head's specplug "
                "section, or SPECPLUG_STAGE=chain)")

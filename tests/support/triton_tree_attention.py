@@ -1,5 +1,5 @@
 """Test support (not product code): specplug's tree attention Triton kernel
-(specplug.vllm_eagle3.tree_attention_triton) run under Triton's interpreter on CPU tensors,
+(specplug.common.cuda.tree_attention_triton) run under Triton's interpreter on CPU tensors,
 for tests/vllm/test_tree_attention_triton.py.
 
 Run as `TRITON_INTERPRET=1 python -m tests.support.triton_tree_attention CASES OUT` (the
@@ -23,7 +23,7 @@ ARGUMENTS = ("query", "key_cache", "value_cache", "block_table", "seq_lens", "qu
 def main(cases_path: str, out_path: str) -> None:
     if os.environ.get("TRITON_INTERPRET") != "1":
         raise SystemExit("set TRITON_INTERPRET=1 before running this module (Triton reads it at import)")
-    from specplug.vllm_eagle3.tree_attention_triton import tree_attention
+    from specplug.common.cuda.tree_attention_triton import tree_attention
 
     outputs = [tree_attention(*(case[k] for k in ARGUMENTS), tile=case["tile"]) for case in torch.load(cases_path)]
     torch.save(outputs, out_path)

@@ -29,7 +29,7 @@ import torch  # noqa: E402
 from specplug.common import tree as T  # noqa: E402
 from specplug.vllm_eagle3 import paged_kv  # noqa: E402
 from specplug.vllm_eagle3.tree_attention import TreeCPUAttentionImpl, TreeRows, pad_trees  # noqa: E402
-from specplug.vllm_eagle3.tree_attention_triton import pack_tree_masks  # noqa: E402
+from specplug.common.cuda.tree_attention_triton import pack_tree_masks  # noqa: E402
 from tests.support.triton_interpreter import run_interpreted  # noqa: E402
 
 pytestmark = pytest.mark.vllm

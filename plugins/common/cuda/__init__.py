@@ -1,4 +1,6 @@
-"""Fused CUDA tree-verification kernels; the torch code in sampling.py is their reference.
+"""GPU kernels: fused CUDA tree verification (the torch code in sampling.py is its
+reference) and, in `tree_attention_triton` (imported on its own: it needs Triton), tree
+attention over vLLM's GPU paged KV layout.
 
 ``try_verify`` (called first by ``specplug.common.sampling.verify`` on CUDA tensors)
 returns the kernel's ``VerifyResult`` or None, in which case the torch path runs.
