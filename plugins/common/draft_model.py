@@ -299,6 +299,15 @@ class DraftModelTokenDrafter(TokenDrafterBase):
         self.drafter = DraftModelDrafter(model, temperature=self.temperature, seed=self.seed)
         return self
 
+    def bind_target(self, target) -> None:
+        """The engine's target has loaded: the draft model moves to the target's device
+        (it loads on the CPU), so it drafts where the engine runs."""
+        device = next(target.model.parameters()).device
+        if device != self.drafter.device:
+            self.drafter.model.to(device)
+            self.drafter.device = device
+            logger.info("draft model %s moved to %s, the target's device", self.path, device)
+
     def rollback(self, request_id: Hashable, length: int) -> None:
         super().rollback(request_id, length)
         if request_id in self.valid:

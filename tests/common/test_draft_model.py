@@ -143,6 +143,19 @@ def test_token_drafter_follows_the_engine_and_drafts_what_the_drafter_does(tiny_
     assert "a" not in drafter.drafter.states and "a" not in drafter.valid
 
 
+def test_the_draft_model_moves_to_the_engines_device_when_the_target_loads(tiny_llama_path, tmp_path):
+    """bind_target (called by both adapters once the target has loaded): the draft model,
+    loaded on the CPU, moves to the target's device ("meta" stands in for a GPU here)."""
+    from specplug.common import token_drafters
+    from specplug.common.drafting.engine_layers import EngineTarget
+
+    path = cut_draft_model(tiny_llama_path, "0", tmp_path / "draft")
+    drafter = token_drafters.build(token_drafters.DrafterChoice("draft_model", {"model": str(path)}), vocab_size=512)
+    token_drafters.bind_target(drafter, EngineTarget(torch.nn.Linear(2, 2, device="meta"), None, None))
+    assert drafter.drafter.device == torch.device("meta")
+    assert {p.device.type for p in drafter.drafter.model.parameters()} == {"meta"}
+
+
 def test_sampled_token_drafter_returns_q(tiny_llama_path, tmp_path):
     from specplug.common import token_drafters
 
