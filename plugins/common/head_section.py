@@ -395,11 +395,11 @@ def _env_flag(environ: Mapping[str, str], env: str, what: str) -> bool | None:
     return BOOLS[text]
 
 
-def flag(section: Mapping, key: str, environ: Mapping[str, str], env: str, what: str) -> bool:
-    """A true / false key of a head's section (off unless set), the environment variable
-    `env` (1/true/yes/on or 0/false/no/off) overriding it; both checked."""
+def flag(section: Mapping, key: str, environ: Mapping[str, str], env: str, what: str, default: bool = False) -> bool:
+    """A true / false key of a head's section (`default` unless set), the environment
+    variable `env` (1/true/yes/on or 0/false/no/off) overriding it; both checked."""
     found = _first((_env_flag(environ, env, what), ""), (_file_flag(section, key), ""))
-    return False if found is None else found.value
+    return default if found is None else found.value
 
 
 def _tree(section: Mapping, environ: Mapping[str, str], arguments: Mapping[str, Argument]) -> dict[str, Value]:

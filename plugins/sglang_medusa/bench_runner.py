@@ -29,12 +29,14 @@ import os
 import time
 
 from specplug.bench import RunResult
+from specplug.common.head_section import ENV_PAYOFF
 from specplug.common.retrieval.config import ENV_RETRIEVAL
 from specplug.common.token_drafters import ENV_DRAFTER
 from specplug.sglang_medusa.settings import DRAFT_TEMPERATURE_ENV
 from specplug.sglang_medusa.metrics import acceptance_from_meta_info
 
 NGRAM_DRAFT_TOKENS = 8
+FIXED = "-fixed"  # a specplug method with payoff control off (SPECPLUG_PAYOFF=0): every step verifies its tree
 DRAFT_MODEL_TREE = {"speculative_num_draft_tokens": 5, "speculative_num_steps": 4}  # 4 nodes, depth <= 4
 
 
@@ -133,6 +135,7 @@ class SglangRunner:
                    if self.head else []))
 
     def speculative_args(self, method: str) -> dict:
+        method = method.removesuffix(FIXED)
         if method == "none":
             return {}
         if method == "ngram":
@@ -164,6 +167,8 @@ class SglangRunner:
 
     def environment(self, method: str) -> dict[str, str]:
         """The specplug variables `method`'s engine starts with (see _environment)."""
+        if method.endswith(FIXED):
+            return {**self.environment(method.removesuffix(FIXED)), ENV_PAYOFF: "0"}
         if method == "draft-model":
             return {ENV_DRAFTER: json.dumps({"model": self.draft_model})}
         if method == "self-spec":

@@ -90,6 +90,7 @@ class Eagle3Worker(TreeVerifyWorker):
         self.session = DraftingSession(
             self.drafting, token_drafter=None if self.token_drafts is None else self.token_drafts.drafter,
             sampled=SampledDrafts(self.settings.draft_temperature))
+        self._start_payoff(self.settings.tree.depth)
         feature = "the target's final hidden state"
         if head.KIND == "EAGLE-3":
             layers = head.config.resolved_aux_layer_ids(view.target_config(self.model_runner).num_hidden_layers)

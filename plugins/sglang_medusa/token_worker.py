@@ -97,6 +97,7 @@ class TokenDrafterWorker(TreeVerifyWorker):
         self.settings: TokenDrafterSettings = token_settings_from_server_args(name, cfg)
         super().__init__(server_args, target_worker, self.settings.num_nodes)
         self.token_drafts = synced_drafter(self.settings.choice, cfg, self.model_runner)
+        self._start_payoff(self.settings.max_depth)
         logger.info("%s worker: drafter %s, up to %d draft nodes, depth %d, lossless verification",
                     name.upper(), type(self.drafter).__name__, self.settings.budget, self.settings.max_depth)
 

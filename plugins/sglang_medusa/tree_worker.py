@@ -36,13 +36,15 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import time
 
 import torch
 
-from specplug.common import sampling
+from specplug.common import head_section, sampling
 from specplug.common.drafting.session import DraftingSession
 from specplug.common.metrics import AcceptanceStats
+from specplug.common.policy.throughput import CycleClock, PayoffControl
 from specplug.common.request_rules import apply_rules
 from specplug.common.sglang_trees import prefix_included_masks, sglang_layout
 from specplug.common.tree import DraftTree, TreeBatch, ancestor_mask, pad_batch, tree_depths
@@ -109,6 +111,7 @@ class TreeVerifyWorker(BaseSpecWorker):
     times_verify = False
     token_drafts = None  # hybrid drafting: a head worker's token_worker.SyncedTokenDrafter, or None
     session: DraftingSession | None = None  # a head worker's per-request drafting (sampled drafts, hybrid)
+    payoff: CycleClock | None = None  # payoff control: each step drafts the tree, or verifies the roots alone
 
     def __init__(self, server_args, target_worker, num_nodes: int):
         super().__init__()
@@ -157,6 +160,24 @@ class TreeVerifyWorker(BaseSpecWorker):
         """Result of a step and the seconds of its verify forward (None unless
         `times_verify`), for adaptive drafting."""
 
+    # ------------------------------------------------------------------ payoff control
+
+    def _start_payoff(self, depth: int) -> None:
+        """Payoff control over two arms, this worker's trees (`depth` deep) or the roots
+        alone, per batch size from the measured steps (specplug.common.policy.throughput);
+        on unless SPECPLUG_PAYOFF=0."""
+        if not head_section.flag({}, "payoff", os.environ, head_section.ENV_PAYOFF, "payoff control", default=True):
+            return
+        self.payoff = CycleClock(PayoffControl(depth, arms=(depth,)))
+        logger.info("specplug payoff control on: each decode step verifies the drafted trees or the roots alone, "
+                    "whichever has delivered more tokens per second at its batch size (SPECPLUG_PAYOFF=0 turns it off)")
+
+    def _planned_draft(self, batch) -> tuple[TreeBatch, dict]:
+        """The step's trees: the drafter's, or the roots alone where payoff control runs a plain step."""
+        if self.payoff is not None and self.payoff.step(len(view.requests(batch))) == 0:
+            return root_only_batch(torch.tensor(view.last_tokens(batch), dtype=torch.long)), ROOT_ONLY
+        return self._draft(batch)
+
     # ------------------------------------------------------------------ hybrid drafting
 
     def _with_token_drafts(self, batch, trees: TreeBatch, budget: int, depth: int) -> TreeBatch:
@@ -198,6 +219,8 @@ class TreeVerifyWorker(BaseSpecWorker):
             result = self.target_worker.forward_batch_generation(
                 batch, pp_proxy_tensors=pp_proxy_tensors, capture_hidden_mode=self.prefill_capture)
         bs = len(view.requests(batch))
+        if self.payoff is not None:
+            self.payoff.disturbed()
         if bs:
             self._prefilled(batch, result)
             result.logits_output.hidden_states = None
@@ -251,7 +274,7 @@ class TreeVerifyWorker(BaseSpecWorker):
         if batch.has_grammar:
             raise NotImplementedError("specplug's SGLang workers do not support structured output (grammar) "
                                       "requests yet")
-        tree, layout = self._draft(batch)
+        tree, layout = self._planned_draft(batch)
         if self.prefix_masks:  # SGLang's GPU verify reads num_nodes nodes per request
             tree = pad_batch(tree, self.num_nodes)
             layout = batch_layout(tree)
@@ -263,6 +286,8 @@ class TreeVerifyWorker(BaseSpecWorker):
         logits_output = result.logits_output
         verdict = self._accept(batch, tree, logits_output.next_token_logits)
         self._verified(tree, verdict, seconds)
+        if self.payoff is not None:
+            self.payoff.verified(tree_depths(tree.parents).amax(-1).tolist(), verdict.num_accepted.tolist())
         accept_index, predict, accept_tokens = self._sglang_outputs(tree, verdict)
         accept_lens = (verdict.num_accepted + 1).to(torch.int32)
         move_accept_tokens_to_target_kvcache(batch, accept_index, verdict.num_accepted.to(torch.int32),

@@ -77,6 +77,8 @@ class MedusaWorker(TreeVerifyWorker):
         self._budgets: dict = {}  # SpecOption -> (TreeConfig, layout)
         if self.settings.adaptive:
             self._start_adaptive()
+        else:
+            self._start_payoff(self.template.max_depth)
         if self.settings.drafter is not None:
             self.token_drafts = synced_drafter(self.settings.drafter, cfg, self.model_runner)
         self.session = DraftingSession(

@@ -202,7 +202,7 @@ class VllmRunner:
         self._method, self._llm = None, None
 
     def methods(self) -> list[str]:
-        specplug = ["eagle3", "specplug", "specplug-tree", "specplug-adaptive", "specplug-hybrid",
+        specplug = ["eagle3", "specplug", "specplug-fixed", "specplug-tree", "specplug-adaptive", "specplug-hybrid",
                     "specplug-hybrid-tree", "specplug-hybrid-skip", "specplug-hybrid-calibrated", "specplug-sampled",
                     "specplug-hybrid-lengthen", "specplug-hybrid-gated", "specplug-float-head"]
         drafts = ["draft_model"] + (["specplug-draft-model"] if self.head else []) if self.draft_model else []
@@ -234,6 +234,10 @@ class VllmRunner:
                     "num_speculative_tokens": tree.depth}
         if method == "specplug":
             head = adaptive_head(self.head) if self.adaptive else staged_head(self.head, "chain")
+            return {"method": "eagle3", "model": head, "num_speculative_tokens": tree.depth}
+        if method == "specplug-fixed":  # payoff control off: every step drafts num_speculative_tokens
+            head = _head_copy(self.head, "specplug-fixed-head-", lambda config: config.setdefault(
+                "specplug", {}).update(stage="chain", payoff=False))
             return {"method": "eagle3", "model": head, "num_speculative_tokens": tree.depth}
         if method == "specplug-adaptive":
             return {"method": "eagle3", "model": adaptive_head(self.head), "num_speculative_tokens": tree.depth}

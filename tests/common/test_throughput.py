@@ -9,7 +9,7 @@ import random
 import pytest
 
 from specplug.common.parallel import RankGroup
-from specplug.common.policy.throughput import PayoffControl, PayoffSettings, batch_bucket
+from specplug.common.policy.throughput import CycleClock, PayoffControl, PayoffSettings, batch_bucket
 
 MAX_DEPTH = 4
 ALPHA = 0.7  # per-position acceptance of the simulated drafter
@@ -104,16 +104,19 @@ def test_a_deeper_depth_that_cannot_win_is_never_timed():
     assert control.choose(8) == 0
 
 
-def test_a_drafting_probe_from_plain_runs_two_cycles():
-    control = PayoffControl(1, PayoffSettings(min_samples=1, probe_every=5))
+def test_probes_from_plain_run_two_cycles_and_grow_rarer_while_the_best_stays():
+    control = PayoffControl(1, PayoffSettings(min_samples=1, probe_every=5, max_probe_every=20))
     none, one = [0] * 8, [1] * 8
-    for seconds, drafts in ((1.0, none), (1.0, one), (2.0, one), (1.0, none)):  # plain, 1 (catch-up), 1, best
-        control.choose(8)
-        control.cycle_done(seconds, drafts, none)
+    chosen = []
+    for _ in range(120):
+        depth = control.choose(8)
+        chosen.append(depth)
+        control.cycle_done(2.0 if depth else 1.0, one if depth else none, none)  # drafting never pays
     assert control.best(8, 8) == 0
-    assert control.choose(8) == 1  # cycle 5: a probe of depth 1, from plain
-    control.cycle_done(5.0, one, none)  # its catch-up cycle, not timed
-    assert control.choose(8) == 1  # held: its second cycle is the timed one
+    probes = [i for i in range(3, 120) if chosen[i] == 1 and chosen[i - 1] == 0]
+    assert probes and all(chosen[i + 1] == 1 for i in probes if i + 1 < 120)  # a probe's catch-up, then its timing
+    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    assert gaps == sorted(gaps) and gaps[-1] >= 20  # 5, 10, 20, 20, ... cycles apart
 
 
 class FirstRankSays(RankGroup):
@@ -132,7 +135,40 @@ def test_every_rank_runs_rank_zeros_depth():
     assert [control.choose(4) for _ in range(5)] == [2] * 5
 
 
+def test_two_arms_the_tree_or_the_root_alone():
+    """An engine drafting a fixed tree: arms 0 and its depth; the yield of depth 4 is
+    estimated per position from the accepted lengths."""
+    engine = SimulatedEngine(**CPU_LIKE)
+    control = PayoffControl(4, arms=(4,))
+    _, small = run(control, engine, 1, 200)
+    _, large = run(control, engine, 64, 200)
+    assert set(small) | set(large) == {0, 4}
+    assert small[-50:].count(4) > 45 and large[-50:].count(0) > 45
+
+
 def test_batch_buckets_and_bad_arguments():
     assert [batch_bucket(b) for b in (1, 5, 8, 9, 16, 17, 64)] == [1, 5, 8, 16, 16, 32, 64]
     with pytest.raises(ValueError, match="num_speculative_tokens"):
         PayoffControl(0)
+    with pytest.raises(ValueError, match="arms"):
+        PayoffControl(2, arms=(3,))
+
+
+def test_the_cycle_clock_times_each_cycle_it_was_told_about():
+    """CycleClock (an engine's step loop): a cycle without its verify result, or with a
+    prefill step in it, is not timed; the others are, with their acceptance."""
+    control = PayoffControl(2, PayoffSettings(min_samples=1), arms=(2,))
+    clock = CycleClock(control)
+    assert clock.step(4) == 0  # nothing before it
+    clock.verified([0] * 4, [0] * 4)
+    assert clock.step(4) == 2  # the plain cycle was timed: the tree next (catch-up: not timed)
+    assert control.cost(4, 0) is not None
+    clock.verified([2] * 4, [1] * 4)
+    clock.step(4)
+    clock.disturbed()  # a prefill ran in this cycle
+    clock.verified([2] * 4, [2] * 4)
+    clock.step(4)
+    assert control.cost(4, 2) is None
+    clock.verified([2] * 4, [2] * 4)
+    clock.step(4)
+    assert control.cost(4, 2) is not None

@@ -38,6 +38,9 @@ def _install_stand_ins() -> None:
             sys.path.insert(0, entry)
     os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
     os.environ.setdefault("SGLANG_PLUGINS", "specplug_medusa")
+    # Engine tests pin each step's tree so every drafting path runs; payoff control, on by
+    # default for users, is tested on its own (test_payoff.py).
+    os.environ.setdefault("SPECPLUG_PAYOFF", "0")
 
 
 _install_stand_ins()

@@ -1,7 +1,9 @@
 """Payoff control: per engine step, how many tokens to draft (0 = none), chosen from what
 each choice costs on this engine at this batch size and what the drafts yield.
 
-An arm is a draft depth d = 0..max_depth (0: a plain step, nothing drafted). A cycle is
+An arm is a draft depth d (0: a plain step, nothing drafted): 0..max_depth for an engine
+that verifies chains of any length (vLLM), or 0 and the drafter's tree depth for one that
+drafts a fixed tree (SGLang: the tree or the root alone). A cycle is
 one drafting call and the engine step that verifies its drafts; the adapter reports each
 cycle's wall time with the drafts and accepted drafts of every request (`cycle_done`).
 The control keeps, per batch bucket and arm, the seconds of the last `window` clean
@@ -18,9 +20,11 @@ to the plain step runs only for its measurements.
 
 Exploration: at a new bucket the arms are timed shallowest first, `min_samples` cycles
 each, and a deeper arm is skipped when even at the cost of the one before it its tokens
-could not beat the best rate so far. Every `probe_every`-th cycle at a bucket re-times a
-neighbour of the best arm (the one timed longest ago), so the choice follows changes in
-load and acceptance. The first drafting cycle after plain ones carries the head's
+could not beat the best rate so far. Then a neighbour of the best arm (the one timed
+longest ago) is re-timed `probe_every` cycles later, and again after twice as many cycles
+each time the best arm stays the same (up to `max_probe_every`; back to `probe_every`
+when it changes), so the choice follows changes in load and acceptance while a settled
+choice pays for almost no probes. The first drafting cycle after plain ones carries the head's
 deferred catch-up: it is not timed, and a drafting probe from plain runs two cycles.
 
 Invariant: any choice is lossless (the engine verifies exactly the drafts it is handed),
@@ -33,6 +37,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from collections import Counter, defaultdict, deque
 from dataclasses import dataclass
 from typing import Sequence
@@ -48,7 +53,8 @@ class PayoffSettings:
 
     window: int = 16         # recent clean cycles timed per (batch bucket, depth)
     min_samples: int = 3     # timed cycles a depth needs at a bucket before it competes
-    probe_every: int = 32    # every n-th cycle at a bucket re-times a neighbour of the best depth
+    probe_every: int = 32    # cycles at a bucket before re-timing a neighbour of the best depth ...
+    max_probe_every: int = 1024  # ... doubling while the best depth stays, up to this
     margin: float = 1.02     # a drafting depth must beat the plain step's rate by this factor
     decay: float = 0.998     # per-cycle decay of the acceptance counts
     prior: float = 2.0       # pseudo-counts of acceptance 1 per position (optimism before evidence)
@@ -92,9 +98,13 @@ class PayoffControl:
     `cycle_done(seconds, drafts, accepted, clean)` for the cycle just finished (ignored
     before the first choice), then `choose(batch)`."""
 
-    def __init__(self, max_depth: int, settings: PayoffSettings = PayoffSettings(), ranks: RankGroup = ALONE):
+    def __init__(self, max_depth: int, settings: PayoffSettings = PayoffSettings(), ranks: RankGroup = ALONE,
+                 arms: Sequence[int] | None = None):
         if max_depth < 1:
             raise ValueError(f"payoff control needs num_speculative_tokens >= 1, got {max_depth}")
+        self.arms = tuple(range(max_depth + 1)) if arms is None else tuple(sorted({0, *arms}))
+        if self.arms[-1] > max_depth:
+            raise ValueError(f"payoff control arms must be depths 0..{max_depth}, got {list(arms)}")
         self.max_depth, self.settings, self.ranks = max_depth, settings, ranks
         self.acceptance = Acceptance(max_depth, settings)
         self.times: dict[tuple[int, int], deque] = defaultdict(lambda: deque(maxlen=settings.window))
@@ -104,6 +114,9 @@ class PayoffControl:
         self._in_flight: tuple[int, int, int, bool] | None = None  # bucket, batch, depth, timed?
         self._previous: int | None = None
         self._held: list[int] = []  # depths forced for the next cycles (a probe's second cycle)
+        self._next_probe: dict[int, int] = {}  # bucket -> the cycle of its next probe
+        self._probe_every: dict[int, int] = {}  # bucket -> cycles between its probes now
+        self._best_at_probe: dict[int, int] = {}  # bucket -> the best depth at its last probe
 
     def cycle_done(self, seconds: float, drafts: Sequence[int], accepted: Sequence[int], clean: bool = True) -> None:
         """The last chosen cycle took `seconds`; drafts [B] and accepted [B] per request of
@@ -119,7 +132,7 @@ class PayoffControl:
             self.timed_at[(bucket, depth)] = self.cycles[bucket]
 
     def choose(self, batch: int) -> int:
-        """Drafts per request for this step: 0..max_depth (rank 0's choice under TP)."""
+        """The depth of this step, one of `arms` (rank 0's choice under TP)."""
         bucket = batch_bucket(batch)
         self.cycles[bucket] += 1
         depth = int(self.ranks.decide_once(self._decide(bucket, batch)))
@@ -143,21 +156,22 @@ class PayoffControl:
 
     def best(self, bucket: int, batch: int) -> int:
         """The timed depth with the best rate (drafting ones discounted by the margin)."""
-        rates = {d: self.rate(bucket, batch, d) for d in range(self.max_depth + 1)}
+        rates = {d: self.rate(bucket, batch, d) for d in self.arms}
         timed = [d for d, r in rates.items() if r is not None]
         return max(timed, key=lambda d: rates[d] / (self.settings.margin if d else 1.0))
 
     def _decide(self, bucket: int, batch: int) -> int:
         if self._held:
             return self._held.pop(0)
-        untimed = [d for d in range(self.max_depth + 1) if self.cost(bucket, d) is None]
+        untimed = [d for d in self.arms if self.cost(bucket, d) is None]
         if untimed and (untimed[0] == 0 or self._could_win(bucket, batch, untimed[0])):
             return untimed[0]
         best = self.best(bucket, batch)
-        if self.cycles[bucket] % self.settings.probe_every:
+        if not self._probe_due(bucket, best):
             return best
-        neighbours = [d for d in (best - 1, best + 1) if 0 <= d <= self.max_depth
-                      and (d < best or self._could_win(bucket, batch, d))]
+        i = self.arms.index(best)
+        neighbours = [d for d in self.arms[max(i - 1, 0):i + 2] if d < best or (
+            d > best and self._could_win(bucket, batch, d))]
         if not neighbours:
             return best
         probe = min(neighbours, key=lambda d: self.timed_at.get((bucket, d), -1))
@@ -165,9 +179,21 @@ class PayoffControl:
             self._held.append(probe)  # the first drafting cycle after plain ones is not timed
         return probe
 
+    def _probe_due(self, bucket: int, best: int) -> bool:
+        """Whether this cycle re-times a neighbour of `best`; schedules the next probe."""
+        cycle, settings = self.cycles[bucket], self.settings
+        if cycle < self._next_probe.setdefault(bucket, cycle + settings.probe_every):
+            return False
+        every = self._probe_every.get(bucket, settings.probe_every)
+        every = min(2 * every, settings.max_probe_every) if self._best_at_probe.get(bucket) == best else \
+            settings.probe_every
+        self._probe_every[bucket], self._best_at_probe[bucket] = every, best
+        self._next_probe[bucket] = cycle + every
+        return True
+
     def _could_win(self, bucket: int, batch: int, depth: int) -> bool:
-        """Whether `depth`, at most as fast as the timed depth below it, could beat the best rate."""
-        floor = self.cost(bucket, depth - 1)
+        """Whether `depth`, at most as fast as the arm below it, could beat the best rate."""
+        floor = self.cost(bucket, self.arms[self.arms.index(depth) - 1])
         if floor is None:
             return True
         best = self.best(bucket, batch)
@@ -176,7 +202,35 @@ class PayoffControl:
     def _log(self, bucket: int, batch: int) -> None:
         if sum(self.choice_counts.values()) % self.settings.log_every:
             return
-        rates = {d: self.rate(bucket, batch, d) for d in range(self.max_depth + 1)}
+        rates = {d: self.rate(bucket, batch, d) for d in self.arms}
         logger.info("specplug payoff control: steps per draft depth %s; at batch %d, tokens/s by depth %s",
                     dict(sorted(self.choice_counts.items())), batch,
                     {d: None if r is None else round(r, 1) for d, r in rates.items()})
+
+
+class CycleClock:
+    """Payoff control driven from an engine's step loop: `step(batch)` at the start of each
+    decode step reports the cycle that just ended (clean when its verify result came in
+    and no prefill step ran in it) and returns this step's depth; `verified(drafts,
+    accepted)` after the verify, per request; `disturbed()` when a prefill step runs."""
+
+    def __init__(self, control: PayoffControl):
+        self.control = control
+        self._started: float | None = None
+        self._verified: tuple[list[int], list[int]] | None = None
+        self._disturbed = False
+
+    def step(self, batch: int) -> int:
+        now = time.perf_counter()
+        if self._started is not None:
+            drafts, accepted = self._verified or ([], [])
+            clean = self._verified is not None and not self._disturbed
+            self.control.cycle_done(now - self._started, drafts, accepted, clean)
+        self._started, self._verified, self._disturbed = now, None, False
+        return self.control.choose(batch)
+
+    def verified(self, drafts: Sequence[int], accepted: Sequence[int]) -> None:
+        self._verified = (list(drafts), list(accepted))
+
+    def disturbed(self) -> None:
+        self._disturbed = True
