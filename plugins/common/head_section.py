@@ -192,8 +192,8 @@ class HeadSettings:
     draft_temperature: sampled drafts: requests that sample get drafts drawn from the
       head's q at this temperature, verified with q (lossless); None = top-k drafts.
     gate: vLLM stage "chain": draft for a request only when the chain pays for itself.
-    payoff: vLLM stage "chain": per step, draft the depth (down to none) that has
-      delivered the most tokens per second at this batch size
+    payoff: per step, draft the depth (down to none; stage "tree" and Medusa heads: all
+      or none) that has delivered the most tokens per second at this batch size
       (specplug.common.policy.throughput); "adaptive" replaces it when set.
     head_weights: "float", "int8" or "int4": an EAGLE-3 head's linears with weight-only
       quantized weights where they can run (bf16 / fp32 on a CPU); drafts only.

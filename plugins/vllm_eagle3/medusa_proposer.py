@@ -14,6 +14,11 @@ vLLM), and every request is verified by specplug's sampler:
   num_speculative_tokens = the tree's non-root nodes. Requests that need a chain
   (sampler.needs_chain) get the top-1 chain padded to that length.
 
+Payoff control (on unless "payoff": false or SPECPLUG_PAYOFF=0) runs each step with the
+heads' drafts or with none, whichever has delivered more tokens per second at that batch
+size (specplug.common.policy.throughput.CycleClock, timed from one propose call to the
+next).
+
 vLLM hands the Medusa proposer the final hidden state at each request's last accepted
 row, computed as if the drafts were a chain; in stage "tree" the runner's
 sample_hidden_states are put in accepted-path order first
@@ -31,8 +36,10 @@ import torch
 from vllm.v1.spec_decode.medusa import MedusaProposer
 
 from specplug.common.path_choice import pad_chains
+from specplug.common.policy.throughput import CycleClock, PayoffControl
 from specplug.common.tree import TreeConfig
 from specplug.vllm_eagle3.medusa_settings import heads_in_checkpoint, medusa_drafter, medusa_settings
+from specplug.vllm_eagle3.ranks import tp_ranks
 from specplug.vllm_eagle3.runner_state import RunnerState
 from specplug.vllm_eagle3.sampler import SpecplugChainSampler, needs_chain
 from specplug.vllm_eagle3.settings import AdapterSettings, check_head_matches_target, specplug_section
@@ -47,6 +54,7 @@ class SpecplugMedusaProposer(MedusaProposer):
         super().__init__(vllm_config, device)
         self.state: RunnerState | None = None
         self.tree_verifier = None
+        self.payoff: CycleClock | None = None  # each step: the heads' drafts or none
         draft = self.spec_config.draft_model_config
         section = specplug_section(draft.hf_config, "medusa")
         self.specplug: AdapterSettings | None = None
@@ -59,6 +67,12 @@ class SpecplugMedusaProposer(MedusaProposer):
         self.tree = self._tree_config(self.num_speculative_tokens)
         logger.info("specplug Medusa proposer active for heads %s: %d heads, stage %s, %d draft tokens",
                     draft.model, self.num_heads, self.specplug.stage, self.num_speculative_tokens)
+        if self.specplug.payoff:
+            k = self.num_speculative_tokens
+            self.payoff = CycleClock(PayoffControl(k, arms=(k,), ranks=tp_ranks()))
+            logger.info("specplug payoff control on: each step verifies the heads' %d drafts or none, whichever "
+                        "has delivered more tokens per second at its batch size (\"payoff\": false or "
+                        "SPECPLUG_PAYOFF=0 turns it off)", k)
 
     def _tree_config(self, k: int) -> TreeConfig:
         """The TreeConfig drafted each step; ValueError when vLLM's K cannot hold it."""
@@ -88,7 +102,12 @@ class SpecplugMedusaProposer(MedusaProposer):
             self.tree_verifier.install()
             self.state.wrap_sample_hidden(self.tree_verifier.committed_samples)
         self.state.replace_rejection_sampler(lambda own: SpecplugChainSampler(
-            own, self.state, self.tree_verifier))
+            own, self.state, self.tree_verifier, on_verify=self._verified))
+
+    def _verified(self, req_ids, num_draft_tokens, num_accepted) -> None:
+        """The sampler's verify result, [B] drafts scheduled and accepted per batch row."""
+        if self.payoff is not None:
+            self.payoff.verified(num_draft_tokens, num_accepted.tolist())
 
     def load_model(self, target_model) -> None:
         if self.specplug is not None:  # vLLM set num_heads to num_speculative_tokens: load what the checkpoint holds
@@ -104,6 +123,8 @@ class SpecplugMedusaProposer(MedusaProposer):
             raise RuntimeError("specplug Medusa proposer was not attached to vLLM's model runner: "
                                "this vLLM version is not supported")
         batch = target_hidden_states.shape[0]
+        if self.payoff is not None and self.payoff.step(batch, self.state.query_lens(batch)) == 0:
+            return torch.zeros(batch, 0, dtype=torch.long, device=target_hidden_states.device)
         with torch.inference_mode():
             roots = torch.zeros(batch, dtype=torch.long)  # vLLM's sampled tokens: the verifier never reads them
             logits = self.drafting.logits_from(target_hidden_states)  # [heads, B, V]

@@ -89,11 +89,8 @@ class SpecplugEagleProposer(EagleProposer):
             scale = HybridScale(["head", "tokens"])
         self.clock = StepClock()  # the engine step between two propose calls (adaptive, gate)
         self.payoff: PayoffControl | None = None  # each step's depth from measured tokens per second
-        if self.specplug.payoff and self.adaptive is None and self.specplug.stage == "chain":
-            self.payoff = PayoffControl(self.num_speculative_tokens, ranks=self.ranks)
-            logger.info("specplug payoff control on: each step drafts the depth (0..%d) that has delivered the "
-                        "most tokens per second at its batch size in this engine (\"payoff\": false or "
-                        "SPECPLUG_PAYOFF=0 turns it off)", self.num_speculative_tokens)
+        if self.specplug.payoff and self.adaptive is None:
+            self.payoff = self._payoff_control(self.num_speculative_tokens)
         self._cycle_started: float | None = None  # when the last propose call began (payoff control)
         self._verify_result: tuple[list[int], list[int]] | None = None  # drafts, accepted [B] of the last verify
         # the head's EagleDrafting joins the session on the loaded head at the first step
@@ -228,6 +225,19 @@ class SpecplugEagleProposer(EagleProposer):
         for i in torch.nonzero(keep).flatten().tolist():
             out[rows[i]] = drafts[i].tolist()
         return out
+
+    def _payoff_control(self, k: int) -> PayoffControl:
+        """Stage "chain": each step drafts the depth 0..k with the best measured tokens per
+        second; stage "tree": the whole tree (k nodes) or none."""
+        if self.specplug.stage == "tree":
+            logger.info("specplug payoff control on: each step verifies the tree (%d nodes) or no drafts, "
+                        "whichever has delivered more tokens per second at its batch size (\"payoff\": false "
+                        "or SPECPLUG_PAYOFF=0 turns it off)", k)
+            return PayoffControl(k, arms=(k,), ranks=self.ranks)
+        logger.info("specplug payoff control on: each step drafts the depth (0..%d) that has delivered the "
+                    "most tokens per second at its batch size in this engine (\"payoff\": false or "
+                    "SPECPLUG_PAYOFF=0 turns it off)", k)
+        return PayoffControl(k, ranks=self.ranks)
 
     def _choose_depth(self, batch: int) -> int:
         if self.adaptive is not None:

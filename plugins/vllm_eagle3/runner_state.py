@@ -67,6 +67,11 @@ class RunnerState:
         """Per row: one past its last token row in this step's flat token layout."""
         return self.runner.query_start_loc.np[1:batch + 1].tolist()
 
+    def query_lens(self, batch: int) -> list[int]:
+        """Per row: the tokens it ran in this step (1 + its drafts for a decode)."""
+        starts = self.runner.query_start_loc.np[:batch + 1]
+        return (starts[1:] - starts[:-1]).tolist()
+
     @property
     def positions(self) -> torch.Tensor:
         """Long [max tokens]: the step's token positions (written in place by stage tree)."""

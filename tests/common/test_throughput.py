@@ -172,3 +172,17 @@ def test_the_cycle_clock_times_each_cycle_it_was_told_about():
     clock.verified([2] * 4, [2] * 4)
     clock.step(4)
     assert control.cost(4, 2) is not None
+
+
+def test_the_cycle_clock_skips_steps_that_ran_more_than_their_drafts():
+    """With `query_lens` (vLLM: prefill chunks share decode steps) a cycle is timed only
+    where every request ran 1 + its drafts."""
+    control = PayoffControl(2, PayoffSettings(min_samples=1), arms=(2,))
+    clock = CycleClock(control)
+    clock.step(2)
+    clock.verified([0, 0], [0, 0])
+    clock.step(2, query_lens=[1, 7])  # a prefill chunk rode along
+    assert control.cost(2, 0) is None
+    clock.verified([0, 0], [0, 0])
+    clock.step(2, query_lens=[1, 1])
+    assert control.cost(2, 0) is not None

@@ -1,6 +1,7 @@
-"""Payoff control in vLLM (on by default, stage "chain"): each step drafts the depth that
-has delivered the most tokens per second at its batch size. Greedy output equals vLLM
-without speculation whatever depths it runs; "payoff": false and SPECPLUG_PAYOFF=0 turn
+"""Payoff control in vLLM (on by default): each step drafts the depth that has delivered
+the most tokens per second at its batch size (stage "chain"), or the whole tree or none
+(stage "tree", Medusa heads). Greedy output equals vLLM without speculation whatever it
+runs; "payoff": false and SPECPLUG_PAYOFF=0 turn
 it off. (The suite's other engine tests pin the depth: conftest sets SPECPLUG_PAYOFF=0.)"""
 
 from __future__ import annotations
@@ -10,8 +11,11 @@ import pytest
 pytest.importorskip("vllm", reason="needs the vLLM environment: bash scripts/test.sh vllm")
 
 from tests.support.tiny_eagle3 import tiny_head_dir  # noqa: E402
+from tests.support.tiny_medusa import vllm_medusa_heads_dir  # noqa: E402
 from tests.vllm.conftest import PROMPTS, SPECPLUG_CHAIN, drafter_of  # noqa: E402
+from tests.vllm.test_medusa import NODES, TREE  # noqa: E402
 from tests.vllm.test_stage_chain import params, run, token_ids  # noqa: E402
+from tests.vllm.test_stage_tree import BUDGET, SPECPLUG_TREE_SECTION  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -33,6 +37,32 @@ def test_greedy_output_equals_no_speculation_whatever_depths_run(engine, target,
     assert control is not None and stats.num_drafts > 0
     assert len(control.choice_counts) >= 2  # it timed plain steps and drafting ones
     assert control.cost(batch, 0) is not None
+
+
+@pytest.fixture(scope="module")
+def payoff_tree_engines(engine, target):
+    """Stage "tree" with the EAGLE-3 head, and Medusa heads in stage "tree", payoff control on."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.delenv("SPECPLUG_PAYOFF", raising=False)
+        eagle = engine(target, tiny_head_dir(target, specplug={**SPECPLUG_TREE_SECTION, "payoff": True}),
+                       num_spec_tokens=BUDGET)
+        medusa = engine(target, vllm_medusa_heads_dir(target, specplug={**TREE, "payoff": True}), NODES,
+                        method="medusa")
+        return {"eagle3-tree": eagle, "medusa-tree": medusa}
+
+
+@pytest.mark.parametrize("method", ["eagle3-tree", "medusa-tree"])
+@pytest.mark.parametrize("batch", [1, 4])
+def test_trees_or_none_keep_greedy_output(engine, target, payoff_tree_engines, method, batch):
+    llm = payoff_tree_engines[method]
+    sampling = params(max_tokens=48, temperature=0.0)
+    prompts = PROMPTS[:batch]
+    spec, stats = run(llm, prompts, sampling)
+    assert spec == token_ids(engine(target).generate(prompts, sampling, use_tqdm=False))
+    clock = drafter_of(llm).payoff
+    control = getattr(clock, "control", clock)  # the Medusa proposer holds a CycleClock
+    assert control is not None and control.arms == (0, control.max_depth)
+    assert stats.num_drafts > 0 and control.choice_counts[0] > 0  # it timed plain steps and trees
 
 
 def test_payoff_false_or_the_environment_turns_it_off(target, monkeypatch):

@@ -220,11 +220,15 @@ class CycleClock:
         self._verified: tuple[list[int], list[int]] | None = None
         self._disturbed = False
 
-    def step(self, batch: int) -> int:
+    def step(self, batch: int, query_lens: Sequence[int] | None = None) -> int:
+        """`query_lens` [B]: tokens each request ran in the step that just ended, for an
+        engine that mixes prefill chunks into decode steps (vLLM): the cycle is clean only
+        where each ran 1 + its drafts."""
         now = time.perf_counter()
         if self._started is not None:
             drafts, accepted = self._verified or ([], [])
-            clean = self._verified is not None and not self._disturbed
+            clean = self._verified is not None and not self._disturbed and (
+                query_lens is None or list(query_lens) == [1 + d for d in drafts])
             self.control.cycle_done(now - self._started, drafts, accepted, clean)
         self._started, self._verified, self._disturbed = now, None, False
         return self.control.choose(batch)
