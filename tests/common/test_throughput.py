@@ -104,6 +104,21 @@ def test_a_deeper_depth_that_cannot_win_is_never_timed():
     assert control.choose(8) == 0
 
 
+def test_a_depth_that_loses_at_a_smaller_batch_is_not_explored_at_a_larger_one():
+    """The cost ratio of a depth to a plain step grows with the batch: once drafting loses
+    at batch 4, batch 8 runs plain steps from its first timed cycle, without exploring."""
+    engine = SimulatedEngine(base=0.030, per_token=0.0015, draft=0.030)  # a slow drafter
+    control = PayoffControl(1, arms=(1,))
+    run(control, engine, 4, 40)
+    assert control.best(4, 4) == 0  # trees lose at batch 4 on this engine ...
+    _, large = run(control, engine, 8, 40)
+    assert large == [0] * 40  # ... so batch 8 never drafts
+    assert control.cost(8, 1) is None
+    fresh = PayoffControl(1, arms=(1,))
+    _, alone = run(fresh, engine, 8, 40)
+    assert 1 in alone  # without the smaller batch's timings, batch 8 explores
+
+
 def test_probes_from_plain_run_two_cycles_and_grow_rarer_while_the_best_stays():
     control = PayoffControl(1, PayoffSettings(min_samples=1, probe_every=5, max_probe_every=20))
     none, one = [0] * 8, [1] * 8

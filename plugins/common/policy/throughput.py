@@ -19,8 +19,10 @@ the plain step by `margin`. Timings are the engine's own, so a drafting arm that
 to the plain step runs only for its measurements.
 
 Exploration: at a new bucket the arms are timed shallowest first, `min_samples` cycles
-each, and a deeper arm is skipped when even at the cost of the one before it its tokens
-could not beat the best rate so far. Then a neighbour of the best arm (the one timed
+each, and a deeper arm is skipped when even at its cost floor its tokens could not beat
+the best rate so far: the floor is the cost of the arm before it, or the plain step's cost
+times the arm's cost ratio measured at the nearest smaller bucket (an arm that loses at
+batch 4 is not explored at batch 8). Then a neighbour of the best arm (the one timed
 longest ago) is re-timed `probe_every` cycles later, and again after twice as many cycles
 each time the best arm stays the same (up to `max_probe_every`; back to `probe_every`
 when it changes), so the choice follows changes in load and acceptance while a settled
@@ -58,6 +60,7 @@ class PayoffSettings:
     margin: float = 1.02     # a drafting depth must beat the plain step's rate by this factor
     decay: float = 0.998     # per-cycle decay of the acceptance counts
     prior: float = 2.0       # pseudo-counts of acceptance 1 per position (optimism before evidence)
+    floor_slack: float = 0.8  # share of a smaller batch's extra cost of a depth assumed at a larger one
     log_every: int = 1000    # cycles between INFO summaries
 
 
@@ -113,7 +116,7 @@ class PayoffControl:
         self.choice_counts: Counter = Counter()  # per depth
         self._in_flight: tuple[int, int, int, bool] | None = None  # bucket, batch, depth, timed?
         self._previous: int | None = None
-        self._held: list[int] = []  # depths forced for the next cycles (a probe's second cycle)
+        self._held: list[tuple[int, int]] = []  # (bucket, depth) forced next at that bucket (a probe's 2nd cycle)
         self._next_probe: dict[int, int] = {}  # bucket -> the cycle of its next probe
         self._probe_every: dict[int, int] = {}  # bucket -> cycles between its probes now
         self._best_at_probe: dict[int, int] = {}  # bucket -> the best depth at its last probe
@@ -161,8 +164,9 @@ class PayoffControl:
         return max(timed, key=lambda d: rates[d] / (self.settings.margin if d else 1.0))
 
     def _decide(self, bucket: int, batch: int) -> int:
-        if self._held:
-            return self._held.pop(0)
+        held, self._held = self._held, []  # a probe's second cycle, unless the batch moved to another bucket
+        if held and held[0][0] == bucket:
+            return held[0][1]
         untimed = [d for d in self.arms if self.cost(bucket, d) is None]
         if untimed and (untimed[0] == 0 or self._could_win(bucket, batch, untimed[0])):
             return untimed[0]
@@ -176,7 +180,7 @@ class PayoffControl:
             return best
         probe = min(neighbours, key=lambda d: self.timed_at.get((bucket, d), -1))
         if probe > 0 and self._previous == 0:
-            self._held.append(probe)  # the first drafting cycle after plain ones is not timed
+            self._held.append((bucket, probe))  # the first drafting cycle after plain ones is not timed
         return probe
 
     def _probe_due(self, bucket: int, best: int) -> bool:
@@ -192,12 +196,28 @@ class PayoffControl:
         return True
 
     def _could_win(self, bucket: int, batch: int, depth: int) -> bool:
-        """Whether `depth`, at most as fast as the arm below it, could beat the best rate."""
-        floor = self.cost(bucket, self.arms[self.arms.index(depth) - 1])
+        """Whether `depth`, at its cost floor (_cost_floor), could beat the best rate."""
+        floor = self._cost_floor(bucket, depth)
         if floor is None:
             return True
         best = self.best(bucket, batch)
         return self.rate(bucket, batch, depth, cost=floor) > self.rate(bucket, batch, best) * self.settings.margin
+
+    def _cost_floor(self, bucket: int, depth: int) -> float | None:
+        """A lower bound on a cycle of `depth` at `bucket`: the arm below's cost here, or a
+        plain step's cost here times `depth`'s measured cost ratio to a plain step at the
+        nearest smaller bucket (discounted by `floor_slack`), whichever is larger. The ratio
+        grows with the batch (each drafted token adds more to a fuller step), so an arm that
+        loses at a smaller batch is not explored at a larger one."""
+        below = self.cost(bucket, self.arms[self.arms.index(depth) - 1])
+        plain = self.cost(bucket, 0)
+        smaller = sorted({b for b, _ in self.times if b < bucket and self.cost(b, 0) is not None
+                          and self.cost(b, depth) is not None}, reverse=True)
+        if plain is None or not smaller:
+            return below
+        ratio = self.cost(smaller[0], depth) / self.cost(smaller[0], 0)
+        scaled = plain * (1 + (ratio - 1) * self.settings.floor_slack)
+        return scaled if below is None else max(below, scaled)
 
     def _log(self, bucket: int, batch: int) -> None:
         if sum(self.choice_counts.values()) % self.settings.log_every:
