@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from specplug.common.sampling import verify
-from specplug.common.tree import optimal_sparse
+from specplug.common.static_trees import optimal_sparse
 
 logger = logging.getLogger("bench_core")
 

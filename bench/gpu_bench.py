@@ -30,7 +30,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # for tests.cuda.c
 
 from specplug.common import sampling as S  # noqa: E402
 from specplug.common.cuda import dispatch, load_extension  # noqa: E402
-from specplug.common.tree import optimal_sparse, stack_trees, tree_depths  # noqa: E402
+from specplug.common.static_trees import optimal_sparse  # noqa: E402
+from specplug.common.tree import stack_trees, tree_depths  # noqa: E402
+from specplug.common.verify_result import VerifyResult  # noqa: E402
 from tests.cuda.cases import Trees, plant  # noqa: E402
 
 ACCURACIES = [[0.6 * 0.85**h / (r + 1) ** 1.2 for r in range(8)] for h in range(8)]  # Medusa-like
@@ -130,7 +132,7 @@ def device_us(cases, replays: int, mode: str | None) -> float:
         os.environ.pop(dispatch.MODE_ENV, None)
 
 
-def call_us(case, calls: int, torch_path: bool) -> tuple[float, S.VerifyResult]:
+def call_us(case, calls: int, torch_path: bool) -> tuple[float, VerifyResult]:
     """End-to-end sampling.verify time (median of `calls`, synchronised), and its result."""
     if torch_path:
         os.environ[dispatch.DISABLE_ENV] = "0"

@@ -15,7 +15,7 @@ import sys
 COMMANDS: dict[str, tuple[str, str]] = {
     "testbed": ("specplug.common.testbed", "build or inspect the offline test bed (SmolLM2-135M + prompt sets)"),
     "convert": ("specplug.common.formats.cli", "convert draft heads between checkpoint formats"),
-    "train": ("specplug.common.training.train", "train EAGLE-3 or Medusa heads for a Hugging Face causal LM"),
+    "train": ("specplug.common.training.cli", "train EAGLE-3 or Medusa heads for a Hugging Face causal LM"),
     "distill": ("specplug.distill",
                 "write the target's own replies to a prompt set (self-distilled training data), resumable"),
     "draft-model": ("specplug.common.draft_model_cli",

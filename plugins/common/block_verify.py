@@ -30,9 +30,9 @@ from __future__ import annotations
 
 import torch
 
-from specplug.common.sampling import (
-    DEFAULT_SUM_TOLERANCE, SUM_TOLERANCE, VerifyResult, flat_node_rows, sample_inverse_cdf,
-)
+from specplug.common.randomness import sample_inverse_cdf
+from specplug.common.sampling import DEFAULT_SUM_TOLERANCE, SUM_TOLERANCE, flat_node_rows
+from specplug.common.verify_result import VerifyResult
 
 __all__ = ["verify_block", "stop_probabilities"]
 

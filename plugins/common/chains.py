@@ -19,9 +19,10 @@ from __future__ import annotations
 
 import torch
 
-from specplug.common.sampling import (
-    DEFAULT_SUM_TOLERANCE, SUM_TOLERANCE, VerifyResult, first_argmax, flat_node_rows, sample_inverse_cdf,
-)
+from specplug.common.randomness import sample_inverse_cdf
+from specplug.common.sampling import DEFAULT_SUM_TOLERANCE, SUM_TOLERANCE, flat_node_rows
+from specplug.common.target_probs import first_argmax
+from specplug.common.verify_result import VerifyResult
 
 CHAIN_METHODS = ("greedy", "coupled")
 
@@ -70,7 +71,7 @@ def verify_chains(drafts: torch.Tensor, num_drafts: torch.Tensor, target: torch.
     if method not in CHAIN_METHODS:
         raise ValueError(f"verify_chains supports {CHAIN_METHODS}, got {method!r}: use sampling.verify")
     if method == "coupled" and uniforms is None:
-        raise ValueError('method "coupled" needs uniforms [B, K + 1] (sampling.draw_uniforms)')
+        raise ValueError('method "coupled" needs uniforms [B, K + 1] (randomness.draw_uniforms)')
     num_drafts = torch.as_tensor(num_drafts, device=drafts.device).long()
     num_nodes = num_drafts + 1
     if target.shape[0] != int(num_nodes.sum()):

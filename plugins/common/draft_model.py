@@ -12,7 +12,7 @@ Two ways to get a draft model:
 :class:`DraftModelDrafter` speaks the drafter protocol of specplug.common.drafters and
 drafts either EAGLE-2 dynamic top-k trees (deterministic: verify with the target-only
 rule, or greedily) or trees sampled i.i.d. from q at a draft temperature
-(specplug.common.tree.sampled: verify with ``method="rejection"`` and the returned
+(specplug.common.dynamic_trees.sampled: verify with ``method="rejection"`` and the returned
 ``draft_probs``; lossless at any temperature, since acceptance uses q).
 :class:`DraftModelTokenDrafter` runs a draft model in the engines (a registered token
 drafter, "draft_model").
@@ -30,6 +30,7 @@ from typing import Hashable, Sequence
 import torch
 from torch import nn
 
+from . import dynamic_trees
 from . import tree as tree_lib
 from .drafting.engine_layers import cut_config
 from .drafting.sampled import SampledDrafts
@@ -235,7 +236,7 @@ class _Expander:
     def __init__(self, drafter: DraftModelDrafter, state: _DraftState):
         self.model, self.state, self.dtype = drafter.model, state, drafter.dtype
 
-    def __call__(self, frontier: tree_lib.Frontier) -> torch.Tensor:
+    def __call__(self, frontier: dynamic_trees.Frontier) -> torch.Tensor:
         """-> [1, F, V] draft log-probs of the token after each frontier node."""
         dev = frontier.tokens.device
         width = frontier.tokens.shape[1]

@@ -30,6 +30,7 @@ from typing import Hashable, Protocol, Sequence
 
 import torch
 
+from . import static_trees
 from . import tree as tree_lib
 from .drafting.eagle import Committed, EagleDrafting, Root
 from .drafting.runner import TorchHeadRunner
@@ -215,7 +216,7 @@ class MedusaDrafter:
         template = self.template(tree)
         topk = int(template.tokens.max()) + 1
         head_tokens = logits.topk(topk, dim=-1).indices.transpose(0, 1)  # [B, K, topk]
-        candidates = tree_lib.fill_static(template, roots.to(head_tokens.device), head_tokens)  # [B, N]
+        candidates = static_trees.fill_static(template, roots.to(head_tokens.device), head_tokens)  # [B, N]
         parents = template.parents.to(candidates.device).expand_as(candidates).clone()
         num_nodes = torch.full((candidates.shape[0],), template.num_nodes, dtype=torch.long, device=candidates.device)
         scores = template.scores.to(candidates.device).expand(candidates.shape).clone()  # [B, N]
@@ -271,14 +272,14 @@ class MedusaDrafter:
     def _build_template(self, tree: TreeConfig) -> tree_lib.DraftTree:
         num_heads = self.heads.num_heads
         if self.choices is not None:
-            return tree_lib.from_choices(self.choices)
+            return static_trees.from_choices(self.choices)
         depth = min(tree.depth, num_heads)
         if tree.topk == 1:
             if tree.depth > num_heads:
                 logger.info("chain of %d asked from %d Medusa heads: drafting %d", tree.depth, num_heads, depth)
-            return tree_lib.from_choices([[0] * d for d in range(1, depth + 1)])
+            return static_trees.from_choices([[0] * d for d in range(1, depth + 1)])
         acc = self.head_accuracies if self.head_accuracies is not None else prior_accuracies(num_heads, tree.topk)
-        template, expected = tree_lib.optimal_sparse(acc[:depth, : tree.topk], tree.budget)
+        template, expected = static_trees.optimal_sparse(acc[:depth, : tree.topk], tree.budget)
         logger.info("Medusa sparse tree: %d nodes, expected acceptance length %.2f (%s accuracies)",
                     template.num_nodes, expected, "measured" if self.head_accuracies is not None else "prior")
         return template

@@ -91,13 +91,15 @@ class _Builtins:
 
     @hookimpl
     def specplug_tree_builders(self) -> dict[str, Callable]:
-        from specplug.common import merge, tree
+        from specplug.common import merge
+        from specplug.common.dynamic_trees import dynamic
+        from specplug.common.static_trees import chain, from_choices, optimal_sparse
 
         return {
-            "chain": tree.chain,
-            "from_choices": tree.from_choices,
-            "optimal_sparse": tree.optimal_sparse,
-            "dynamic": tree.dynamic,
+            "chain": chain,
+            "from_choices": from_choices,
+            "optimal_sparse": optimal_sparse,
+            "dynamic": dynamic,
             "merge": merge.merge_trees,
         }
 

@@ -19,7 +19,7 @@ logger = logging.getLogger(__name__)
 
 
 def full_budget(depth: int, topk: int, draft_vocab: int) -> int:
-    """Nodes tree.dynamic drafts in all (root excluded): keeping all of them keeps every leaf."""
+    """Nodes dynamic_trees.dynamic drafts in all (root excluded): keeping all of them keeps every leaf."""
     k = min(topk, draft_vocab)
     return k + (depth - 1) * k * k
 

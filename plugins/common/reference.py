@@ -19,7 +19,8 @@ import torch
 
 from .drafters import Drafter
 from .metrics import AcceptanceStats
-from .sampling import SamplingConfig, process_logits, verify
+from .sampling import verify
+from .target_probs import SamplingConfig, process_logits
 from .tree import DraftTree, TreeConfig
 
 logger = logging.getLogger(__name__)

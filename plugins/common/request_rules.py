@@ -14,7 +14,7 @@ logit bias, min-tokens, then repetition (prompt or output seen; x * 1/p above 0)
 frequency / presence penalties. "sglang" (sglang/srt/sampling/penaltylib): min-new-tokens
 and frequency / presence as one additive row, then repetition (output seen only; x / p
 above 0), then logit bias; SGLang has no allowed ids or bad words.
-Temperature, min-p, top-k and top-p follow in specplug.common.sampling.process_logits.
+Temperature, min-p, top-k and top-p follow in specplug.common.target_probs.process_logits.
 Rows are flattened request-major: request b owns num_nodes[b] consecutive rows.
 """
 

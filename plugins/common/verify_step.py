@@ -4,7 +4,7 @@ request's verification rule, so that no engine adapter does.
 An adapter hands over the target's logits of every tree node (after the request's own
 rules, specplug.common.request_rules), the trees, each request's sampling settings as a
 :class:`RequestSampling` and, where drafts were drawn from a distribution q, that q.
-:func:`verify_step` turns the logits into the target's p (sampling.process_logits, in the
+:func:`verify_step` turns the logits into the target's p (target_probs.process_logits, in the
 engine's filter order), chooses the rule of every request and runs it through
 sampling.verify (and its CUDA dispatch) or, when every tree is a chain,
 chains.verify_chains (the same result in a few vectorised ops); the "block" rule runs
@@ -56,9 +56,10 @@ import torch
 
 from specplug.common.block_verify import verify_block
 from specplug.common.chains import verify_chains
-from specplug.common.sampling import (
-    ORDERS, TYPICAL_DELTA, TYPICAL_EPSILON, SamplingConfig, VerifyResult, position_uniforms, process_logits, verify,
-)
+from specplug.common.randomness import position_uniforms
+from specplug.common.sampling import TYPICAL_DELTA, TYPICAL_EPSILON, verify
+from specplug.common.target_probs import ORDERS, SamplingConfig, process_logits
+from specplug.common.verify_result import VerifyResult
 
 __all__ = ["RULES", "RequestSampling", "chain_rows", "choose_rule", "step_uniforms", "verify_step"]
 

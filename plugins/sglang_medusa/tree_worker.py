@@ -48,6 +48,7 @@ from specplug.common.policy.throughput import CycleClock, PayoffControl
 from specplug.common.request_rules import apply_rules
 from specplug.common.sglang_trees import prefix_included_masks, sglang_layout
 from specplug.common.tree import DraftTree, TreeBatch, ancestor_mask, pad_batch, tree_depths
+from specplug.common.verify_result import VerifyResult
 from specplug.common.verify_step import verify_step
 from specplug.sglang_medusa import batch_view as view
 from specplug.sglang_medusa.request_rules import rules_of
@@ -153,10 +154,10 @@ class TreeVerifyWorker(BaseSpecWorker):
     def _prefilled(self, batch, result) -> None:
         """A prefill (extend) batch ran; result.logits_output holds `prefill_capture`."""
 
-    def _commit(self, batch, tree: TreeBatch, verdict: sampling.VerifyResult, hidden) -> None:
+    def _commit(self, batch, tree: TreeBatch, verdict: VerifyResult, hidden) -> None:
         """A verify step was accepted; hidden = `verify_capture` of every node or None."""
 
-    def _verified(self, tree: TreeBatch, verdict: sampling.VerifyResult, seconds: float | None) -> None:
+    def _verified(self, tree: TreeBatch, verdict: VerifyResult, seconds: float | None) -> None:
         """Result of a step and the seconds of its verify forward (None unless
         `times_verify`), for adaptive drafting."""
 
@@ -356,7 +357,7 @@ class TreeVerifyWorker(BaseSpecWorker):
             retrieve_next_sibling=layout["next_sibling"].to(self.device).expand(bs, n).contiguous(),
             draft_token_num=n)
 
-    def _accept(self, batch, tree: TreeBatch, logits: torch.Tensor) -> sampling.VerifyResult:
+    def _accept(self, batch, tree: TreeBatch, logits: torch.Tensor) -> VerifyResult:
         """specplug.common.verify_step on the target's logits [B*n, V] after the request
         rules: the core chooses each request's rule (translation only here)."""
         bs, n = tree.candidates.shape
@@ -377,7 +378,7 @@ class TreeVerifyWorker(BaseSpecWorker):
             logger.debug("specplug SGLang acceptance so far: %s", self.stats.as_dict())
         return verdict
 
-    def _sglang_outputs(self, tree: TreeBatch, verdict: sampling.VerifyResult):
+    def _sglang_outputs(self, tree: TreeBatch, verdict: VerifyResult):
         """(accept_index Int [B, n] flat node rows -1 padded, predict Int [B*n] the token
         emitted after each accepted node, accept_tokens Int [B, n] the emitted tokens)."""
         bs, n = tree.candidates.shape

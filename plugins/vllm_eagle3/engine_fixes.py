@@ -10,7 +10,7 @@ those CPU generators from that one call, so nothing is rewound: such a request h
 consumed one extra draw per partial prefill chunk, and its output is still an exact
 sample (which one depends on how the prompt was chunked, and prefix caching changes
 that between runs). (specplug's own verification does not use the
-generator at all: seeded draws come from `sampling.position_uniforms`.)
+generator at all: seeded draws come from `randomness.position_uniforms`.)
 """
 
 from __future__ import annotations

@@ -4,13 +4,13 @@ engine reports and chooses per step a chain depth or tree budget, down to none."
 import pytest
 import torch
 
-from specplug.common import tree
 from specplug.common.policy.adaptive import (
     AdaptiveController, AdaptiveSettings, Timings, adaptive_flag, pinned_costs, tree_option,
 )
 from specplug.common.policy.cost import (
     Curve, SpecOption, StepCosts, chain_expected_tokens, tree_depth_alphas, tree_expected_tokens,
 )
+from specplug.common.static_trees import optimal_sparse
 
 CHAINS = tuple(SpecOption(d, d) for d in range(1, 5))
 
@@ -18,7 +18,7 @@ CHAINS = tuple(SpecOption(d, d) for d in range(1, 5))
 def medusa_budgets(accuracies, budgets=(1, 2, 4, 8, 16)):
     """Medusa optimal sparse trees of each budget as options (one drafter pass each),
     with per-depth prior acceptance modelled from the head accuracies."""
-    return tuple(tree_option(tree.optimal_sparse(accuracies, b)[0], accuracies) for b in budgets)
+    return tuple(tree_option(optimal_sparse(accuracies, b)[0], accuracies) for b in budgets)
 
 
 STRONG = [[0.95, 0.03], [0.9, 0.05], [0.9, 0.05], [0.85, 0.05]]   # [heads, topk]
@@ -144,7 +144,7 @@ def test_tree_option_prior_is_the_modelled_tree_acceptance():
     accept = torch.tensor([1.0, 0.5, 0.2, 0.4])
     alphas = tree_depth_alphas(parents, depth, accept)
     assert chain_expected_tokens(alphas, 2) == pytest.approx(tree_expected_tokens(parents, accept))
-    template, expected = tree.optimal_sparse(STRONG, 8)
+    template, expected = optimal_sparse(STRONG, 8)
     option = tree_option(template, STRONG)
     assert (option.depth, option.nodes, option.passes) == (template.max_depth, 8, 1)
     assert chain_expected_tokens(option.prior_alphas, option.depth) == pytest.approx(expected)

@@ -7,7 +7,9 @@ import torch
 
 from specplug.common import sampling as S
 from specplug.common.chains import verify_chains
+from specplug.common.randomness import sample_inverse_cdf
 from specplug.common.tree import chain_batch
+from specplug.common.verify_result import VerifyResult
 from tests.common.test_sampling_lossless import ALPHA, ToyModel, lossless_pvalues
 
 
@@ -38,9 +40,9 @@ def _both(num_drafts, flat_drafts, rows, method, uniforms=None):
     return expected, got
 
 
-def _assert_equal(expected: S.VerifyResult, got: S.VerifyResult):
+def _assert_equal(expected: VerifyResult, got: VerifyResult):
     assert int(got.num_accepted.max()) >= 2  # the batch exercises long accepted prefixes
-    for name in S.VerifyResult._fields:
+    for name in VerifyResult._fields:
         assert torch.equal(getattr(expected, name), getattr(got, name)), name
 
 
@@ -63,7 +65,7 @@ def test_coupled_equals_verify(seed):
     uniforms = torch.rand(64, k + 2, generator=gen)
     request = torch.arange(64).repeat_interleave(num_drafts + 1)
     depth = torch.arange(probs.shape[0]) - ((num_drafts + 1).cumsum(0) - num_drafts - 1)[request]
-    draws = S.sample_inverse_cdf(probs, uniforms[request, depth])
+    draws = sample_inverse_cdf(probs, uniforms[request, depth])
     flat = _drafts_following(draws, num_drafts, vocab, gen)
     _assert_equal(*_both(num_drafts, flat, probs, "coupled", uniforms))
 

@@ -8,7 +8,8 @@ import torch
 
 from specplug import distill as command
 from specplug.common.training import distill as D
-from specplug.common.training import train as T
+from specplug.common.training.samples import load_conversations, tokenize_conversation
+from specplug.common.training.target import load_target
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -33,7 +34,7 @@ def test_prompt_order_is_seeded_prefix_stable_and_skips_duplicates(tiny_llama_pa
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(tiny_llama_path)
-    convs = T.load_conversations(str(data))
+    convs = load_conversations(str(data))
     full = D.select_prompts(tok, convs, _cfg(tiny_llama_path, data))
     assert len(full) == 6  # the duplicate is skipped (the reply-only conversation is dropped on load)
     assert [it.id for it in D.select_prompts(tok, convs, _cfg(tiny_llama_path, data, max_prompts=3))] == \
@@ -46,8 +47,8 @@ def test_records_are_the_targets_greedy_replies_and_train_as_data(tiny_llama_pat
     out = tmp_path / "replies.jsonl"
     summary = command.distill(_cfg(tiny_llama_path, data, max_prompts=2), out, engine="hf", batch_size=2)
     assert summary["answered_now"] == 2
-    target, tok = T.load_target(str(tiny_llama_path))
-    convs = T.load_conversations(str(out))  # what `specplug train --data OUT` reads
+    target, tok = load_target(str(tiny_llama_path))
+    convs = load_conversations(str(out))  # what `specplug train --data OUT` reads
     assert len(convs) == 2
     for conv in convs:
         assert [m["role"] for m in conv] == ["user", "assistant"]
@@ -57,7 +58,7 @@ def test_records_are_the_targets_greedy_replies_and_train_as_data(tiny_llama_pat
             first = int(target(torch.tensor([ids])).logits[0, -1].argmax())
         if first != tok.eos_token_id:
             assert conv[1]["content"].startswith(tok.decode([first], skip_special_tokens=True).strip())
-        assert T.tokenize_conversation(tok, conv, 64) is not None or not conv[1]["content"]
+        assert tokenize_conversation(tok, conv, 64) is not None or not conv[1]["content"]
 
 
 def test_rerun_answers_only_new_prompts_and_other_settings_are_refused(tiny_llama_path, data, tmp_path,

@@ -10,7 +10,7 @@ import torch
 from specplug.common.draft_model import DraftModelDrafter, cut_draft_model, layer_skip_view, parse_layers
 from specplug.common.drafters import Eagle3Drafter
 from specplug.common.reference import generate
-from specplug.common.sampling import SamplingConfig
+from specplug.common.target_probs import SamplingConfig
 from specplug.common.tree import TreeConfig
 from tests.common.test_drafters import random_eagle3_head, target  # noqa: F401
 from tests.common.test_reference import PROMPT, hf_greedy

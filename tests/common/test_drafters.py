@@ -5,10 +5,10 @@ state, batches equal singles."""
 import pytest
 import torch
 
-from specplug.common import tree as tree_lib
 from specplug.common.drafters import Eagle3Drafter, EagleDrafter, MedusaDrafter, prior_accuracies
 from specplug.common.heads import Eagle1Config, Eagle1Head, Eagle3Config, Eagle3Head, MedusaConfig, MedusaHeads
 from specplug.common.heads.eagle3 import d2t_to_t2d
+from specplug.common.static_trees import optimal_sparse
 from specplug.common.tree import TreeConfig
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -266,5 +266,5 @@ def test_prior_accuracies_shape():
     acc = prior_accuracies(4, 3)
     assert acc.shape == (4, 3) and float(acc[0, 0]) == pytest.approx(0.6)
     assert (acc[1:] < acc[:-1]).all() and (acc[:, 1:] < acc[:, :-1]).all()
-    tree, expected = tree_lib.optimal_sparse(acc, 10)
+    tree, expected = optimal_sparse(acc, 10)
     assert tree.num_nodes == 11 and expected > 1

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from specplug.common import hooks
-from specplug.common.sampling import VerifyResult
+from specplug.common.verify_result import VerifyResult
 
 PLUGIN_SOURCE = textwrap.dedent(
     """

@@ -10,7 +10,7 @@ from specplug.common.drafters import Eagle3Drafter, MedusaDrafter
 from specplug.common.heads import Eagle3Config, Eagle3Head, MedusaConfig, MedusaHeads
 from specplug.common.metrics import AcceptanceStats
 from specplug.common.reference import GenerationResult, generate
-from specplug.common.sampling import SamplingConfig
+from specplug.common.target_probs import SamplingConfig
 from specplug.common.tree import DraftTree, TreeConfig
 from tests.common.test_drafters import random_eagle3_head, random_medusa_heads, target  # noqa: F401
 

@@ -16,6 +16,7 @@ import torch
 
 from specplug.common import sampling as S
 from specplug.common.request_rules import RequestRules, apply_rules
+from specplug.common.target_probs import process_logits
 from tests.common.test_sampling_lossless import chi_square_pvalue
 
 V = 12
@@ -167,7 +168,7 @@ def _rules(history, engine):
 def _plain_probs(logits_row, history, engine="vllm"):
     rules = _rules(history, engine)
     x = apply_rules(logits_row[None], rules, torch.tensor([[0]]), torch.tensor([[-1]]), torch.tensor([1]))
-    return S.process_logits(x, 1.0, 0, 1.0, MIN_P)[0]
+    return process_logits(x, 1.0, 0, 1.0, MIN_P)[0]
 
 
 def _speculative_two_tokens(L, with_path: bool, gen, engine):
@@ -178,7 +179,7 @@ def _speculative_two_tokens(L, with_path: bool, gen, engine):
         cand[j] = L[cand[BINARY[j]]].argsort(descending=True)[(j - 1) % 2]
     if with_path:
         rows = apply_rules(L[cand], _rules([], engine), cand[None], BINARY[None], torch.tensor([7]))
-        p = S.process_logits(rows, 1.0, 0, 1.0, MIN_P)  # [7, V]
+        p = process_logits(rows, 1.0, 0, 1.0, MIN_P)  # [7, V]
     else:
         p = torch.stack([_plain_probs(L[c], [], engine) for c in cand.tolist()])
     res = S.verify(cand.expand(SAMPLES, 7), BINARY.expand(SAMPLES, 7), p.expand(SAMPLES, 7, 8), method="rejection",

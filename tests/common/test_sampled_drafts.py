@@ -1,6 +1,6 @@
-"""Sampled drafting (specplug.common.tree.sampled, drafters.SampledDrafts) is lossless.
+"""Sampled drafting (specplug.common.dynamic_trees.sampled, drafters.SampledDrafts) is lossless.
 
-Trees are built by the production builder `tree.sampled` from the toy model of
+Trees are built by the production builder `dynamic_trees.sampled` from the toy model of
 test_sampling_lossless (draft Q, target P depending on the previous token and the
 output index), over B = 100,000 independent requests per check, and verified with
 `sampling.verify(method="rejection", draft_probs=TreeBatch.draft_probs)`. The first
@@ -17,6 +17,7 @@ import torch
 
 from specplug.common import sampling as S
 from specplug.common import tree as tree_lib
+from specplug.common.dynamic_trees import sampled
 from tests.common.test_sampling_lossless import ALPHA, SAMPLES, ToyModel, chi_square_pvalue  # noqa: F401
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -33,8 +34,8 @@ def toy_trees(model: ToyModel, roots, offset, depth, width, token_map=None, veri
         return q
 
     expand = lambda f: q_of(f.tokens, offset + f.depth)  # noqa: E731  [B, F, V']
-    batch = tree_lib.sampled(expand, roots, q_of(roots, offset), depth=depth, width=width,
-                             token_map=token_map, vocab_size=model.vocab)
+    batch = sampled(expand, roots, q_of(roots, offset), depth=depth, width=width,
+                    token_map=token_map, vocab_size=model.vocab)
     depths = tree_lib.tree_depths(batch.parents[0])
     p = model.P[offset + depths, batch.candidates]  # [B, N, V]
     q = batch.draft_probs
@@ -87,8 +88,8 @@ def test_sampled_tree_layout():
     q_root = torch.tensor([[0.0, 0.5, 0.5, 0.0]])
     expand = lambda f: torch.tensor([0.0, 0.0, 0.0, 1.0]).expand(*f.tokens.shape, 4)  # noqa: E731
     token_map = torch.tensor([10, 11, 12, 13])
-    batch = tree_lib.sampled(expand, torch.tensor([7]), q_root, depth=3, width=2, token_map=token_map,
-                             vocab_size=16)
+    batch = sampled(expand, torch.tensor([7]), q_root, depth=3, width=2, token_map=token_map,
+                    vocab_size=16)
     assert batch.parents[0].tolist() == [-1, 0, 0, 1, 2, 3, 4]
     assert batch.candidates[0, 0] == 7 and set(batch.candidates[0, 1:3].tolist()) <= {11, 12}
     assert batch.candidates[0, 3:].tolist() == [13, 13, 13, 13]
@@ -101,8 +102,8 @@ def test_seeded_generators_reproduce_and_differ():
     q_root = torch.softmax(torch.randn(2, 50), -1)
     expand = lambda f: torch.softmax(torch.randn(*f.tokens.shape, 50, generator=torch.Generator().manual_seed(0)), -1)  # noqa: E731
     gens = lambda s: [torch.Generator().manual_seed(s), torch.Generator().manual_seed(s + 1)]  # noqa: E731
-    a = tree_lib.sampled(expand, torch.tensor([1, 2]), q_root, depth=3, width=2, generators=gens(3))
-    b = tree_lib.sampled(expand, torch.tensor([1, 2]), q_root, depth=3, width=2, generators=gens(3))
+    a = sampled(expand, torch.tensor([1, 2]), q_root, depth=3, width=2, generators=gens(3))
+    b = sampled(expand, torch.tensor([1, 2]), q_root, depth=3, width=2, generators=gens(3))
     assert torch.equal(a.candidates, b.candidates)
 
 
@@ -111,14 +112,14 @@ def test_sampled_drafts_settings_are_checked():
         from specplug.common.drafters import SampledDrafts
         SampledDrafts(0.0)
     with pytest.raises(ValueError, match="vocab_size"):
-        tree_lib.sampled(lambda f: None, torch.tensor([0]), torch.ones(1, 2) / 2, depth=1, width=1,
-                         token_map=torch.tensor([3, 4]))
+        sampled(lambda f: None, torch.tensor([0]), torch.ones(1, 2) / 2, depth=1, width=1,
+                token_map=torch.tensor([3, 4]))
 
 
 def test_medusa_sampled_drafts_draw_each_depth_from_its_head():
     """MedusaDrafter.draft_sampled: `width` chains of min(depth, heads) nodes; every node at
     depth d carries head d-1's q at the draft temperature whatever its parent (a Medusa
-    head sees no drafted token), so tree.sampled's proof (above) covers it."""
+    head sees no drafted token), so dynamic_trees.sampled's proof (above) covers it."""
     from specplug.common.drafters import MedusaDrafter, SampledDrafts
     from specplug.common.heads.medusa import MedusaConfig, MedusaHeads
     from specplug.common.tree import TreeConfig

@@ -13,6 +13,8 @@ from hypothesis import strategies as st
 
 from specplug.common import sampling as S
 from specplug.common import tree as T
+from specplug.common.randomness import draw_uniforms, sample_inverse_cdf
+from specplug.common.target_probs import SamplingConfig, first_argmax, process_logits, sampling_tensors
 
 
 def rand_tree_batch(rng: random.Random, bsz: int, max_nodes: int, vocab: int):
@@ -75,7 +77,7 @@ def test_rejection_with_one_hot_target_is_greedy(seed):
         return
     batch = T.stack_trees(keep)
     logits = torch.randn(*batch.candidates.shape, 4, generator=torch.Generator().manual_seed(seed))
-    p = S.process_logits(logits, temperature=0.0)
+    p = process_logits(logits, temperature=0.0)
     kw = dict(num_nodes=batch.num_nodes)
     greedy = S.verify(batch.candidates, batch.parents, logits, method="greedy", **kw)
     for draft in (None, torch.softmax(torch.randn_like(logits), -1)):
@@ -143,7 +145,7 @@ def test_seeded_generators_reproduce_each_request_independently(use_q):
     a, b = run([0, 1, 2, 3, 4, 5]), run([5, 4, 3, 2, 1, 0])
     assert torch.equal(a.bonus_token, b.bonus_token.flip(0))
     assert torch.equal(a.num_accepted, b.num_accepted.flip(0))
-    explicit = S.draw_uniforms(6, p.shape[1], [torch.Generator().manual_seed(100 + i) for i in range(6)])
+    explicit = draw_uniforms(6, p.shape[1], [torch.Generator().manual_seed(100 + i) for i in range(6)])
     c = S.verify(batch.candidates, batch.parents, p, q, method="rejection", num_nodes=batch.num_nodes,
                  uniforms=explicit)
     assert torch.equal(a.bonus_token, c.bonus_token)
@@ -159,8 +161,8 @@ def test_uniforms_define_the_decisions():
     # residual after rejecting token 2: [0.5, 0.3, 0, 0] / 0.8; u = 0.7 -> 0.56 -> token 1
     residual = S.verify(cands, parents, p, method="rejection", uniforms=torch.tensor([[0.7, 0.5, 0.0]]))
     assert residual.bonus_token.tolist() == [1]
-    assert S.sample_inverse_cdf(torch.tensor([[0.0, 1.0, 0.0, 3.0]]), torch.tensor([0.25])).tolist() == [3]
-    assert S.sample_inverse_cdf(torch.tensor([[0.0, 1.0, 0.0, 3.0]]), torch.tensor([0.2499])).tolist() == [1]
+    assert sample_inverse_cdf(torch.tensor([[0.0, 1.0, 0.0, 3.0]]), torch.tensor([0.25])).tolist() == [3]
+    assert sample_inverse_cdf(torch.tensor([[0.0, 1.0, 0.0, 3.0]]), torch.tensor([0.2499])).tolist() == [1]
 
 
 def test_cuda_dispatch_hook_is_called_and_may_decline(monkeypatch):
@@ -203,15 +205,15 @@ def test_typical_acceptance_threshold():
 
 def test_process_logits_temperature_top_k_top_p():
     logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
-    assert torch.allclose(S.process_logits(logits), torch.softmax(logits, -1))
-    assert torch.allclose(S.process_logits(logits, temperature=2.0), torch.softmax(logits / 2, -1))
-    assert S.process_logits(logits, temperature=0.0).tolist() == [[1.0, 0.0, 0.0, 0.0]]
-    top2 = S.process_logits(logits, top_k=2)
+    assert torch.allclose(process_logits(logits), torch.softmax(logits, -1))
+    assert torch.allclose(process_logits(logits, temperature=2.0), torch.softmax(logits / 2, -1))
+    assert process_logits(logits, temperature=0.0).tolist() == [[1.0, 0.0, 0.0, 0.0]]
+    top2 = process_logits(logits, top_k=2)
     assert torch.allclose(top2, torch.tensor([[0.7311, 0.2689, 0.0, 0.0]]), atol=1e-4)
     full = torch.softmax(logits, -1)[0]  # [0.644, 0.237, 0.087, 0.032]
-    assert (S.process_logits(logits, top_p=0.6)[0] > 0).tolist() == [True, False, False, False]
-    assert (S.process_logits(logits, top_p=float(full[0] + 0.01))[0] > 0).tolist() == [True, True, False, False]
-    assert (S.process_logits(logits, top_p=1.0) > 0).all()
+    assert (process_logits(logits, top_p=0.6)[0] > 0).tolist() == [True, False, False, False]
+    assert (process_logits(logits, top_p=float(full[0] + 0.01))[0] > 0).tolist() == [True, True, False, False]
+    assert (process_logits(logits, top_p=1.0) > 0).all()
 
 
 def test_process_logits_follows_each_engines_filter_order():
@@ -221,39 +223,39 @@ def test_process_logits_follows_each_engines_filter_order():
     renormalises (mass before token 1: 0.53 >= 0.5, dropped), SGLang takes top-p on the
     full mass (0.4: kept), then min-p (0.35 >= 0.28: kept)."""
     logits = torch.tensor([[0.5, 0.3, 0.2]]).log()
-    vllm = S.process_logits(logits, top_k=2, top_p=0.6)
-    sglang = S.process_logits(logits, top_k=2, top_p=0.6, order="sglang")
+    vllm = process_logits(logits, top_k=2, top_p=0.6)
+    sglang = process_logits(logits, top_k=2, top_p=0.6, order="sglang")
     assert (vllm[0] > 0).tolist() == [True, False, False]
     torch.testing.assert_close(sglang, torch.tensor([[0.625, 0.375, 0.0]]))
     logits = torch.tensor([[0.4, 0.35, 0.25]]).log()
-    assert (S.process_logits(logits, top_p=0.5, min_p=0.7)[0] > 0).tolist() == [True, False, False]
-    assert (S.process_logits(logits, top_p=0.5, min_p=0.7, order="sglang")[0] > 0).tolist() == [True, True, False]
+    assert (process_logits(logits, top_p=0.5, min_p=0.7)[0] > 0).tolist() == [True, False, False]
+    assert (process_logits(logits, top_p=0.5, min_p=0.7, order="sglang")[0] > 0).tolist() == [True, True, False]
     with pytest.raises(ValueError, match="order must be one of"):
-        S.process_logits(logits, order="tgi")
+        process_logits(logits, order="tgi")
 
 
 def test_process_logits_per_request_settings_mix_greedy_and_sampled():
     logits = torch.randn(3, 5, 11)
-    cfgs = [S.SamplingConfig(temperature=0.0), S.SamplingConfig(temperature=0.7, top_k=3), S.SamplingConfig(top_p=0.5)]
-    t, k, p = S.sampling_tensors(cfgs)
-    probs = S.process_logits(logits, t, k, p)
+    cfgs = [SamplingConfig(temperature=0.0), SamplingConfig(temperature=0.7, top_k=3), SamplingConfig(top_p=0.5)]
+    t, k, p = sampling_tensors(cfgs)
+    probs = process_logits(logits, t, k, p)
     for b, c in enumerate(cfgs):
-        assert torch.allclose(probs[b], S.process_logits(logits[b : b + 1], c.temperature, c.top_k, c.top_p)[0])
+        assert torch.allclose(probs[b], process_logits(logits[b : b + 1], c.temperature, c.top_k, c.top_p)[0])
     assert torch.allclose(probs.sum(-1), torch.ones(3, 5))
     assert ((probs[1] > 0).sum(-1) == 3).all()
     assert cfgs[0].method == "greedy" and cfgs[1].method == "rejection"
-    assert S.SamplingConfig(seed=5).generator().initial_seed() == 5
+    assert SamplingConfig(seed=5).generator().initial_seed() == 5
 
 
 @pytest.mark.parametrize("kw", [dict(temperature=-1.0), dict(top_p=0.0), dict(top_p=1.5), dict(top_k=-2)])
 def test_sampling_config_rejects_bad_values(kw):
     with pytest.raises(ValueError):
-        S.SamplingConfig(**kw)
+        SamplingConfig(**kw)
 
 
 def test_process_logits_rejects_wrongly_shaped_settings():
     with pytest.raises(ValueError, match="repeat_interleave"):
-        S.process_logits(torch.zeros(4, 3), temperature=torch.ones(3))
+        process_logits(torch.zeros(4, 3), temperature=torch.ones(3))
 
 
 # --------------------------------------------------------------------------- bad input
@@ -348,8 +350,8 @@ def test_first_argmax_is_torch_argmax(vocab):
     x = torch.cat([x, x.half().float()])  # rounding: many ties
     # numpy's argmax on a CPU (float32/64/16), the chunked path for bf16; strided rows too
     for y in (x, x.bfloat16(), x.half(), x.double(), x[:, ::2]):
-        assert torch.equal(S.first_argmax(y), y.argmax(-1)), y.dtype
-    assert S.first_argmax(x[:0]).shape == (0,)
+        assert torch.equal(first_argmax(y), y.argmax(-1)), y.dtype
+    assert first_argmax(x[:0]).shape == (0,)
 
 
 @settings(max_examples=60, deadline=None)
@@ -358,4 +360,4 @@ def test_first_argmax_on_coarse_values(rows, vocab, seed):
     """Values from a handful of levels: ties everywhere, the first index still wins."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randint(0, 4, (rows, vocab), generator=g).float()
-    assert torch.equal(S.first_argmax(x), x.argmax(-1))
+    assert torch.equal(first_argmax(x), x.argmax(-1))

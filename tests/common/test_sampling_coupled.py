@@ -10,6 +10,7 @@ import torch
 from scipy import stats
 
 from specplug.common import sampling as S
+from specplug.common.randomness import position_uniforms
 from tests.common.test_sampling_lossless import ALPHA, ToyModel, lossless_pvalues
 
 MASK = (1 << 64) - 1
@@ -28,15 +29,15 @@ def splitmix_reference(seed: int, t: int) -> float:
 def test_position_uniforms_are_the_stated_hash_and_uniform():
     seeds = torch.tensor([0, 1, 12345, 2**40 + 7])
     positions = torch.tensor([0, 5, 1000, 3])
-    u = S.position_uniforms(seeds, positions, 4)
+    u = position_uniforms(seeds, positions, 4)
     for b in range(4):
         for d in range(4):
             assert u[b, d].item() == splitmix_reference(int(seeds[b]), int(positions[b]) + d)
-    many = S.position_uniforms(torch.arange(1000), torch.zeros(1000, dtype=torch.long), 100).flatten()
+    many = position_uniforms(torch.arange(1000), torch.zeros(1000, dtype=torch.long), 100).flatten()
     assert float(many.min()) >= 0.0 and float(many.max()) < 1.0
     assert stats.kstest(many.numpy(), "uniform").pvalue > ALPHA
     # shifting the position by one shifts the columns: the draw belongs to the position
-    assert torch.equal(S.position_uniforms(seeds, positions + 1, 3), u[:, 1:])
+    assert torch.equal(position_uniforms(seeds, positions + 1, 3), u[:, 1:])
 
 
 def _decode(P: torch.Tensor, seed: int, steps: int, draft_tree, gen) -> list[int]:
@@ -46,7 +47,7 @@ def _decode(P: torch.Tensor, seed: int, steps: int, draft_tree, gen) -> list[int
     while len(out) < steps:
         cand, parents = draft_tree(out[-1], gen)
         p = P[cand].unsqueeze(0)  # [1, N, V]: the row after each node is P[its token]
-        u = S.position_uniforms(torch.tensor([seed]), torch.tensor([len(out)]), cand.shape[0] + 1)
+        u = position_uniforms(torch.tensor([seed]), torch.tensor([len(out)]), cand.shape[0] + 1)
         res = S.verify(cand[None], parents[None], p, method="coupled", uniforms=u)
         emitted = res.output_tokens(cand[None])[0]
         out += [int(t) for t in emitted if t >= 0]

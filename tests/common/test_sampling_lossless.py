@@ -38,7 +38,9 @@ import torch
 from scipy import stats
 
 from specplug.common import sampling as S
-from specplug.common.tree import from_choices, tree_depths
+from specplug.common.static_trees import from_choices
+from specplug.common.target_probs import process_logits
+from specplug.common.tree import tree_depths
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -66,7 +68,7 @@ class ToyModel:
         g = torch.Generator().manual_seed(seed)
         logits = 1.0 * torch.randn(MAX_INDEX, vocab, vocab, generator=g)
         top_k, top_p = (vocab // 2, 0.9) if filtered else (0, 1.0)
-        self.P = S.process_logits(logits.view(-1, vocab), temperature, top_k, top_p).view(logits.shape)
+        self.P = process_logits(logits.view(-1, vocab), temperature, top_k, top_p).view(logits.shape)
         draft_logits = 0.7 * logits + 1.5 * torch.randn(logits.shape, generator=g)
         self.Q = torch.softmax(draft_logits, -1)
         self.draft_order = draft_logits.argsort(-1, descending=True)  # deterministic drafter's ranking

@@ -12,7 +12,13 @@ from specplug.common.training import states as C
 from specplug.common.training import eagle3 as E
 from specplug.common.training import loop as L
 from specplug.common.training import medusa as M
+from specplug.common.training import regenerate as R
 from specplug.common.heads import Eagle3Head, MedusaHeads
+from specplug.common.training.checks import check_memory
+from specplug.common.training.cli import add_arguments, config_from_args
+from specplug.common.training.config import TrainConfig
+from specplug.common.training.samples import batch_indices, tokenize_conversation
+from specplug.common.training.target import load_target
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -51,7 +57,7 @@ def _config(method, target, out, data, **kw):
                 max_length=48, lr=3e-3, warmup_steps=3, heldout_samples=4, draft_vocab_size=128,
                 checkpoint_every=10, topk=4, aux_layer_ids=(1, 2, 3), eval_prompts=0)
     base.update(kw)
-    return T.TrainConfig(**base)
+    return TrainConfig(**base)
 
 
 @pytest.fixture(scope="module")
@@ -190,7 +196,7 @@ def test_init_grows_medusa_heads_by_identity_blocks(trained, tiny_llama_path, co
     heads compute exactly what HEAD did, so the run starts at the same loss as a plain
     --init; a smaller --num-layers is refused, naming the fix."""
     folder = trained["medusa"][1]
-    target = T.load_target(str(tiny_llama_path))[0]
+    target = load_target(str(tiny_llama_path))[0]
     heads = M.init_head(folder, target, _config("medusa", tiny_llama_path, tmp_path / "x", counting_data))
     hidden = torch.randn(2, 5, target.config.hidden_size)
     before = heads(hidden)
@@ -212,7 +218,7 @@ def test_init_grows_an_eagle3_head_by_identity_layers(trained, tiny_llama_path, 
     the same loss as a plain --init and trains the new layer; the saved head has 2 layers
     and a smaller --num-layers is refused, naming the fix."""
     folder = trained["eagle3"][1]
-    target = T.load_target(str(tiny_llama_path))[0]
+    target = load_target(str(tiny_llama_path))[0]
     head = E.init_head(folder, target, _config("eagle3", tiny_llama_path, tmp_path / "x", counting_data)).eval()
     ids, hidden = torch.randint(0, 100, (2, 5)), torch.randn(2, 5, head.config.hidden_size)
     pos, mask = torch.arange(5).expand(2, 5), torch.ones(5, 5, dtype=torch.bool).tril().expand(2, 5, 5)
@@ -288,17 +294,17 @@ def test_resume_reproduces_the_uninterrupted_run_exactly(tiny_llama_path, counti
 def test_new_flags_reach_the_config(tmp_path):
     import argparse
     parser = argparse.ArgumentParser()
-    T.add_arguments(parser)
+    add_arguments(parser)
     args = parser.parse_args(["eagle3", "--target", "t", "--out", str(tmp_path), "--epochs", "2.5", "--threads", "1",
                               "--log-file", "x.log", "--log-every", "5", "--states-cache", "/s", "--minutes", "30"])
-    cfg = T.config_from_args(args)
+    cfg = config_from_args(args)
     assert (cfg.epochs, cfg.threads, cfg.log_file, cfg.log_every, cfg.minutes) == (2.5, 1, "x.log", 5, 30.0)
     assert cfg.states_cache and cfg.states_cache_dir == "/s"
-    off = T.config_from_args(parser.parse_args(["medusa", "--target", "t", "--out", "o", "--no-states-cache"]))
+    off = config_from_args(parser.parse_args(["medusa", "--target", "t", "--out", "o", "--no-states-cache"]))
     assert not off.states_cache and off.states_cache_dir is None
     with pytest.raises(ValueError, match="exclude each other"):
-        T.config_from_args(parser.parse_args(["medusa", "--target", "t", "--out", "o", "--no-states-cache",
-                                              "--states-cache", "/s"]))
+        config_from_args(parser.parse_args(["medusa", "--target", "t", "--out", "o", "--no-states-cache",
+                                            "--states-cache", "/s"]))
 
 
 def test_clear_errors_before_any_work(tiny_llama_path, counting_data, tmp_path):
@@ -325,8 +331,8 @@ def test_clear_errors_before_any_work(tiny_llama_path, counting_data, tmp_path):
         _config("medusa", tiny_llama_path, tmp_path / "o7", counting_data, resume=True, overwrite=True)
     from transformers import AutoConfig
     with pytest.raises(ValueError, match="lower --batch-size"):
-        T.check_memory(_config("eagle3", tiny_llama_path, tmp_path / "o8", counting_data),
-                       AutoConfig.from_pretrained(tiny_llama_path), available=1 << 20)
+        check_memory(_config("eagle3", tiny_llama_path, tmp_path / "o8", counting_data),
+                     AutoConfig.from_pretrained(tiny_llama_path), available=1 << 20)
 
 
 def test_draft_vocab_is_the_most_frequent_ids_sorted_and_installed_together():
@@ -408,7 +414,7 @@ def test_assistant_mask_covers_replies_only(tiny_llama_path):
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(tiny_llama_path)
     msgs = [{"role": "user", "content": "one two"}, {"role": "assistant", "content": "three four"}]
-    sample = T.tokenize_conversation(tok, msgs, 64)
+    sample = tokenize_conversation(tok, msgs, 64)
     masked = tok.decode([t for t, m in zip(sample.input_ids, sample.loss_mask) if m])
     assert masked.strip().startswith("three four") and "<|im_end|>" in masked and "one" not in masked
 
@@ -442,14 +448,14 @@ def test_regenerate_writes_the_targets_greedy_reply_and_caches_it(tiny_llama_pat
     monkeypatch.setenv("SPECPLUG_CACHE", str(tmp_path / "cache"))
     data = tmp_path / "d.jsonl"
     data.write_text("")  # only its name, size and mtime enter the cache key here
-    target, tok = T.load_target(str(tiny_llama_path))
+    target, tok = load_target(str(tiny_llama_path))
     tok.pad_token = tok.eos_token  # pad == <|im_end|>, as in ChatML models: it must not mask the prompt's end tokens
     convs = [[{"role": "system", "content": "be brief"}, {"role": "user", "content": "count from one two three"},
               {"role": "assistant", "content": "data reply"}, {"role": "user", "content": "later turn"}],
              [{"role": "user", "content": "seven"}, {"role": "assistant", "content": "other"}],
              [{"role": "user", "content": "nine ten"}, {"role": "assistant", "content": "x"}]]
     cfg = _config("medusa", tiny_llama_path, tmp_path / "o", data, batch_size=2, max_length=80, regenerate=True)
-    out = T.regenerate(target, tok, convs, cfg)  # batches of 2 prompts of different lengths: left padding
+    out = R.regenerate(target, tok, convs, cfg)  # batches of 2 prompts of different lengths: left padding
     assert [c[:-1] for c in out] == [convs[0][:2], convs[1][:1], convs[2][:1]]  # first prompt kept, data reply gone
     lengths = [_greedy_reply(target, tok, c[:-1], 80)[1] for c in out]
     for i, conv in enumerate(out):
@@ -457,14 +463,14 @@ def test_regenerate_writes_the_targets_greedy_reply_and_caches_it(tiny_llama_pat
         expected, _ = _greedy_reply(target, tok, conv[:-1], 80 - max(lengths) + lengths[i])
         # the batch generates max_length - (shortest prompt in its batch) tokens: at least the reference's
         assert conv[-1]["content"].startswith(expected) and len(expected) > 0, (i, conv[-1]["content"], expected)
-    assert T.regenerate_cache_path(cfg).is_file()
+    assert R.regenerate_cache_path(cfg).is_file()
 
     def must_not_run(*a, **k):
         raise AssertionError("regenerated although the cache holds the replies")
-    monkeypatch.setattr(T, "_generate_replies", must_not_run)
-    assert T.regenerate(target, tok, convs, cfg) == out  # second call: read from the cache
+    monkeypatch.setattr(R, "_generate_replies", must_not_run)
+    assert R.regenerate(target, tok, convs, cfg) == out  # second call: read from the cache
     other = _config("medusa", tiny_llama_path, tmp_path / "o", data, batch_size=2, max_length=88, regenerate=True)
-    assert T.regenerate_cache_path(other) != T.regenerate_cache_path(cfg)  # max-length is part of the key
+    assert R.regenerate_cache_path(other) != R.regenerate_cache_path(cfg)  # max-length is part of the key
 
 
 def test_regenerate_skips_leading_replies_and_drops_conversations_without_a_prompt(tiny_llama_path, tmp_path,
@@ -476,19 +482,19 @@ def test_regenerate_skips_leading_replies_and_drops_conversations_without_a_prom
     data = tmp_path / "d.jsonl"
     data.write_text("")
     answered: list[str] = []
-    monkeypatch.setattr(T, "_generate_replies", lambda target, tok, texts, cfg: answered.extend(texts) or
+    monkeypatch.setattr(R, "_generate_replies", lambda target, tok, texts, cfg: answered.extend(texts) or
                         ["R"] * len(texts))
-    _, tok = T.load_target(str(tiny_llama_path))
+    _, tok = load_target(str(tiny_llama_path))
     convs = [[{"role": "assistant", "content": "hello"}, {"role": "user", "content": "hi"},
               {"role": "assistant", "content": "data"}],
              [{"role": "assistant", "content": "only a reply"}],
              [{"role": "user", "content": "two"}, {"role": "assistant", "content": "data"}],
              [{"role": "user", "content": "long " * 40}, {"role": "assistant", "content": "data"}]]
     cfg = _config("medusa", tiny_llama_path, tmp_path / "o", data, batch_size=2, max_length=40, regenerate=True)
-    out = T.regenerate(None, tok, convs, cfg)  # the last prompt is over max_length / 2 tokens: dropped
+    out = R.regenerate(None, tok, convs, cfg)  # the last prompt is over max_length / 2 tokens: dropped
     assert out == [[{"role": "user", "content": "hi"}, {"role": "assistant", "content": "R"}], [],
                    [{"role": "user", "content": "two"}, {"role": "assistant", "content": "R"}], []]
-    assert len(answered) == 2 and T.tokenize_conversation(tok, out[1], 40) is None
+    assert len(answered) == 2 and tokenize_conversation(tok, out[1], 40) is None
 
 
 @pytest.mark.timeout(600)
@@ -496,10 +502,10 @@ def test_regenerate_training_run_writes_a_loadable_head(tiny_llama_path, countin
     monkeypatch.setenv("SPECPLUG_CACHE", str(tmp_path / "cache"))
     import argparse
     parser = argparse.ArgumentParser()
-    T.add_arguments(parser)
+    add_arguments(parser)
     args = parser.parse_args(["medusa", "--target", str(tiny_llama_path), "--out", str(tmp_path / "m"),
                               "--data", str(counting_data), "--regenerate"])
-    assert T.config_from_args(args).regenerate and T.config_from_args(args).regen_temperature == 0.0
+    assert config_from_args(args).regenerate and config_from_args(args).regen_temperature == 0.0
     for method in ("medusa", "eagle3"):
         cfg = _config(method, tiny_llama_path, tmp_path / method, counting_data, steps=3, max_samples=6,
                       regenerate=True)
@@ -508,7 +514,7 @@ def test_regenerate_training_run_writes_a_loadable_head(tiny_llama_path, countin
         head = formats.load_head_module(tmp_path / method, str(tiny_llama_path))
         assert isinstance(head, MedusaHeads if method == "medusa" else Eagle3Head)
         assert json.loads((tmp_path / method / "training.json").read_text())["config"]["regenerate"] is True
-    cached = json.loads(T.regenerate_cache_path(cfg).read_text())  # both runs share one cache file
+    cached = json.loads(R.regenerate_cache_path(cfg).read_text())  # both runs share one cache file
     assert len(cached) == 6 + 4 and all(c[-1]["role"] == "assistant" for c in cached)
     assert len(list((tmp_path / "cache" / "regenerated").glob("*.json"))) == 1
 
@@ -516,24 +522,24 @@ def test_regenerate_training_run_writes_a_loadable_head(tiny_llama_path, countin
 def test_learning_rate_follows_the_step_schedule_only(tmp_path):
     """Warm-up, then cosine to 10% of the peak at the schedule's last step; --epochs converts
     to steps, and --minutes (a per-sitting budget) never changes the schedule."""
-    cfg = T.TrainConfig("medusa", "t", str(tmp_path), steps=110, warmup_steps=10, lr=1.0)
+    cfg = TrainConfig("medusa", "t", str(tmp_path), steps=110, warmup_steps=10, lr=1.0)
     schedule = cfg.schedule_steps(50)
     assert schedule == 110
     assert L.lr_at(0, cfg, schedule) == pytest.approx(0.1) and L.lr_at(10, cfg, schedule) == pytest.approx(1.0)
     assert L.lr_at(60, cfg, schedule) == pytest.approx(0.55) and L.lr_at(110, cfg, schedule) == pytest.approx(0.1)
-    epochs = T.TrainConfig("medusa", "t", str(tmp_path), epochs=2, batch_size=4, reuse=3)
+    epochs = TrainConfig("medusa", "t", str(tmp_path), epochs=2, batch_size=4, reuse=3)
     assert epochs.schedule_steps(10) == 5 * 3  # ceil(2 * 10 / 4) target passes x reuse
-    minutes = T.TrainConfig("medusa", "t", str(tmp_path), minutes=10)
-    assert minutes.schedule_steps(10) == 1000 and T.TrainConfig("medusa", "t", str(tmp_path)).schedule_steps(1) == 1000
+    minutes = TrainConfig("medusa", "t", str(tmp_path), minutes=10)
+    assert minutes.schedule_steps(10) == 1000 and TrainConfig("medusa", "t", str(tmp_path)).schedule_steps(1) == 1000
     with pytest.raises(ValueError, match="exclude --steps"):
-        T.TrainConfig("medusa", "t", str(tmp_path), steps=5, epochs=1)
+        TrainConfig("medusa", "t", str(tmp_path), steps=5, epochs=1)
 
 
 def test_each_epoch_visits_every_sample_once_in_its_own_order():
     n, batch = 10, 4  # 10 steps = 4 epochs
-    order = [i for step in range(10) for i in T.batch_indices(step, batch, n, seed=3)]
+    order = [i for step in range(10) for i in batch_indices(step, batch, n, seed=3)]
     epochs = [order[e * n:(e + 1) * n] for e in range(4)]
     assert all(sorted(e) == list(range(n)) for e in epochs)
     assert len({tuple(e) for e in epochs}) == 4  # reshuffled every epoch
-    assert T.batch_indices(7, batch, n, seed=3) == T.batch_indices(7, batch, n, seed=3)  # pure
-    assert T.batch_indices(2, batch, n) == [8, 9, 0, 1]  # seed None: in order, wrapping
+    assert batch_indices(7, batch, n, seed=3) == batch_indices(7, batch, n, seed=3)  # pure
+    assert batch_indices(2, batch, n) == [8, 9, 0, 1]  # seed None: in order, wrapping

@@ -13,6 +13,8 @@ from specplug.common.training import train as T
 from specplug.common.training import states as C
 from specplug.common.training import eagle3 as E
 from specplug.common.training import medusa as M
+from specplug.common.training.samples import batch_indices, build_samples, collate, load_conversations
+from specplug.common.training.target import TargetOutput, load_target, target_pass
 from tests.common.test_train import _config, counting_data  # noqa: F401 (fixtures)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -24,9 +26,9 @@ SHARD_BYTES = 64 << 10  # several shards for 20 tiny samples (~640 bytes per tok
 @pytest.fixture(scope="module")
 def tiny(tiny_llama_path, counting_data):  # noqa: F811
     """(target, tokenizer, training samples, pad id) of the tiny Llama on the counting data."""
-    target, tok = T.load_target(str(tiny_llama_path))
+    target, tok = load_target(str(tiny_llama_path))
     cfg = _config("eagle3", tiny_llama_path, "unused", counting_data, max_samples=20)
-    samples, _ = T.build_samples(tok, T.load_conversations(cfg.data), cfg)
+    samples, _ = build_samples(tok, load_conversations(cfg.data), cfg)
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     return target, tok, samples, pad_id
 
@@ -53,8 +55,8 @@ def test_round_trip_is_the_target_pass_in_bf16_bit_for_bit(tiny_llama_path, coun
         end = shard["first_sample"] + shard["num_samples"]
         for first in range(shard["first_sample"], end, 4):
             ids = list(range(first, min(first + 4, end)))
-            batch = T.collate([samples[i] for i in ids], pad_id)
-            live = T.target_pass(target, batch, AUX)
+            batch = collate([samples[i] for i in ids], pad_id)
+            live = target_pass(target, batch, AUX)
             cached = reader.target_output(ids, batch.input_ids.shape[1])
             real = batch.attention_mask.bool()  # [b, T]
             assert cached.logits is None and cached.aux.dtype == torch.float32
@@ -84,12 +86,12 @@ def test_loss_from_the_cache_equals_the_loss_on_bf16_rounded_live_states(tiny_ll
     aux = module.aux_ids(head, target)
     reader, _ = _open(tiny_llama_path, counting_data, tmp_path / "s", tiny, aux=aux)
     for index in range(3):
-        ids = T.batch_indices(index, 4, len(samples))
-        batch = T.collate([samples[i] for i in ids], pad_id)
-        live = T.target_pass(target, batch, aux)
+        ids = batch_indices(index, 4, len(samples))
+        batch = collate([samples[i] for i in ids], pad_id)
+        live = target_pass(target, batch, aux)
         last = live.last_hidden.to(torch.bfloat16).float()
-        rounded = T.TargetOutput(last, target.get_output_embeddings()(last).float(),
-                                 live.aux.to(torch.bfloat16).float() if aux else None)
+        rounded = TargetOutput(last, target.get_output_embeddings()(last).float(),
+                               live.aux.to(torch.bfloat16).float() if aux else None)
         cached_loss, cached_acc = module.loss(head, reader.target_output(ids, batch.input_ids.shape[1]), batch, cfg)
         rounded_loss, _ = module.loss(head, rounded, batch, cfg)
         live_loss, live_acc = module.loss(head, live, batch, cfg)

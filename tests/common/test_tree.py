@@ -10,6 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from specplug.common import tree as T
+from specplug.common.dynamic_trees import Frontier, _first_frontier, _rerank, _topk_children, dynamic
+from specplug.common.static_trees import chain, fill_static, from_choices, optimal_sparse
 
 
 def random_parents(rng: random.Random, n: int) -> list[int]:
@@ -93,11 +95,11 @@ def test_pad_batch_adds_nodes_verification_never_accepts():
 
 
 def test_chain():
-    c = T.chain(3, [9, 1, 2, 3])
+    c = chain(3, [9, 1, 2, 3])
     assert c.parents.tolist() == [-1, 0, 1, 2]
     assert torch.equal(c.attention_mask(), torch.ones(4, 4, dtype=torch.bool).tril())
     assert c.retrieve_paths().tolist() == [[0, 1, 2, 3]]
-    assert T.chain(0).num_nodes == 1
+    assert chain(0).num_nodes == 1
 
 
 @pytest.mark.parametrize(
@@ -133,14 +135,14 @@ def test_tree_config_roundtrip():
 
 def test_from_choices_orders_like_medusa_and_fills_tokens():
     choices = [[1], [0, 0], [0], [0, 1], [1, 0], [0, 0, 0]]
-    t = T.from_choices(choices)
+    t = from_choices(choices)
     # sorted by (depth, path): [0], [1], [0,0], [0,1], [1,0], [0,0,0]
     assert t.parents.tolist() == [-1, 0, 0, 1, 1, 2, 3]
     assert t.tokens.tolist() == [0, 0, 1, 0, 1, 0, 0]  # template: ranks
     head_tokens = torch.tensor([[10, 11], [20, 21], [30, 31]])  # [heads, topk]
-    filled = T.from_choices(choices, head_tokens, root_token=5)
+    filled = from_choices(choices, head_tokens, root_token=5)
     assert filled.tokens.tolist() == [5, 10, 11, 20, 21, 20, 30]
-    batch = T.fill_static(t, torch.tensor([5, 6]), torch.stack([head_tokens, head_tokens + 100]))
+    batch = fill_static(t, torch.tensor([5, 6]), torch.stack([head_tokens, head_tokens + 100]))
     assert batch[1].tolist() == [6, 110, 111, 120, 121, 120, 130]
 
 
@@ -149,12 +151,12 @@ def test_from_choices_orders_like_medusa_and_fills_tokens():
 )
 def test_from_choices_rejects_bad_paths(choices, match):
     with pytest.raises(ValueError, match=match):
-        T.from_choices(choices)
+        from_choices(choices)
 
 
 def test_fill_static_needs_enough_heads():
     with pytest.raises(ValueError, match="heads"):
-        T.fill_static(T.from_choices([[0], [0, 0]]), torch.tensor([1]), torch.zeros(1, 1, 2, dtype=torch.long))
+        fill_static(from_choices([[0], [0, 0]]), torch.tensor([1]), torch.zeros(1, 1, 2, dtype=torch.long))
 
 
 def brute_force_best(acc, budget):
@@ -175,16 +177,16 @@ def test_optimal_sparse_matches_brute_force(seed):
     heads, topk = rng.choice([(2, 2), (2, 3), (3, 2)])
     acc = [[rng.random() for _ in range(topk)] for _ in range(heads)]  # deliberately not sorted by rank
     for budget in range(1, 6):
-        tree, tau = T.optimal_sparse(acc, budget)
+        tree, tau = optimal_sparse(acc, budget)
         assert tree.num_nodes == budget + 1
         assert tau == pytest.approx(brute_force_best(acc, budget), abs=1e-12)
 
 
 def test_optimal_sparse_63_node_tree_round_trips_through_choices():
     acc = [[0.6 * 0.8**h / (r + 1) for r in range(10)] for h in range(5)]  # Medusa-like: 5 heads, top-10
-    tree, tau = T.optimal_sparse(acc, 63)
+    tree, tau = optimal_sparse(acc, 63)
     assert tree.num_nodes == 64 and 1.0 < tau < 6.0
-    again = T.from_choices(tree.choices())
+    again = from_choices(tree.choices())
     assert torch.equal(again.parents, tree.parents) and torch.equal(again.tokens, tree.tokens)
     siblings_rank_first = all(
         tree.tokens[kids].tolist() == sorted(tree.tokens[kids].tolist())
@@ -194,14 +196,14 @@ def test_optimal_sparse_63_node_tree_round_trips_through_choices():
 
 
 def test_optimal_sparse_prefers_chain_when_first_head_is_sure_and_validates():
-    tree, tau = T.optimal_sparse([[0.9, 0.05], [0.9, 0.05], [0.9, 0.05]], 3)
+    tree, tau = optimal_sparse([[0.9, 0.05], [0.9, 0.05], [0.9, 0.05]], 3)
     assert tree.parents.tolist() == [-1, 0, 1, 2]
     assert tau == pytest.approx(1 + 0.9 + 0.81 + 0.729)
     with pytest.raises(ValueError, match="budget"):
-        T.optimal_sparse([[0.5]], 0)
+        optimal_sparse([[0.5]], 0)
     with pytest.raises(ValueError, match=r"\[0, 1\]"):
-        T.optimal_sparse([[1.5]], 1)
-    assert T.optimal_sparse([[0.5, 0.2]], 10)[0].num_nodes == 3  # clamped to every possible node
+        optimal_sparse([[1.5]], 1)
+    assert optimal_sparse([[0.5, 0.2]], 10)[0].num_nodes == 3  # clamped to every possible node
 
 
 # --------------------------------------------------------------------------- EAGLE-2 dynamic trees
@@ -225,7 +227,7 @@ class CheckingDrafter:
     def __init__(self):
         self.calls = 0
 
-    def __call__(self, f: T.Frontier) -> torch.Tensor:
+    def __call__(self, f: Frontier) -> torch.Tensor:
         self.calls += 1
         bsz, width = f.tokens.shape
         assert f.depth == self.calls and (f.positions == f.depth).all()
@@ -266,7 +268,7 @@ def test_dynamic_matches_reference_and_is_closed(depth, topk, budget):
     roots = torch.tensor([3, 7, 11])
     root_lp = torch.stack([path_logprobs((int(r),)) for r in roots])
     drafter = CheckingDrafter()
-    batch = T.dynamic(drafter, roots, root_lp, depth=depth, topk=topk, budget=budget)
+    batch = dynamic(drafter, roots, root_lp, depth=depth, topk=topk, budget=budget)
     assert drafter.calls == depth - 1
     for b, tree in enumerate(batch.unbind()):
         toks, pars = tree.tokens.tolist(), tree.parents.tolist()
@@ -286,7 +288,7 @@ def test_dynamic_expanded_mask_marks_ancestors_in_call_order():
         generator = torch.Generator().manual_seed(len(seen))
         return torch.log_softmax(torch.randn(f.tokens.shape + (VOCAB,), generator=generator), -1)
 
-    T.dynamic(expand, torch.tensor([1, 2]), torch.log_softmax(torch.randn(2, VOCAB), -1), depth=4, topk=3, budget=10)
+    dynamic(expand, torch.tensor([1, 2]), torch.log_softmax(torch.randn(2, VOCAB), -1), depth=4, topk=3, budget=10)
     run = [torch.zeros(2, 1, dtype=torch.long)]
     for f in seen:
         run.append(f.node_ids)
@@ -307,18 +309,18 @@ def test_dynamic_token_map_and_unnormalised_scores_stay_closed():
     def expand(f):
         return torch.full(f.tokens.shape + (VOCAB,), 5.0)  # positive "log-probs": children outscore parents
 
-    batch = T.dynamic(expand, torch.tensor([0]), torch.zeros(1, VOCAB), depth=3, topk=2, budget=4, token_map=token_map)
+    batch = dynamic(expand, torch.tensor([0]), torch.zeros(1, VOCAB), depth=3, topk=2, budget=4, token_map=token_map)
     tree = batch.unbind()[0]  # DraftTree validates parents < child
     assert tree.num_nodes == 5 and (tree.tokens[1:] >= 1000).all()
 
 
 def test_dynamic_bad_input_raises():
     with pytest.raises(ValueError, match="budget"):
-        T.dynamic(lambda f: None, torch.tensor([0]), torch.zeros(1, 5), budget=0)
+        dynamic(lambda f: None, torch.tensor([0]), torch.zeros(1, 5), budget=0)
     with pytest.raises(ValueError, match="root_logprobs"):
-        T.dynamic(lambda f: None, torch.tensor([0]), torch.zeros(5))
+        dynamic(lambda f: None, torch.tensor([0]), torch.zeros(5))
     with pytest.raises(ValueError, match="expand must return"):
-        T.dynamic(lambda f: torch.zeros(1, 1, 5), torch.tensor([0]), torch.zeros(1, 5), depth=2, topk=2)
+        dynamic(lambda f: torch.zeros(1, 1, 5), torch.tensor([0]), torch.zeros(1, 5), depth=2, topk=2)
 
 
 def test_dynamic_stops_expanding_below_stop_below():
@@ -334,7 +336,7 @@ def test_dynamic_stops_expanding_below_stop_below():
     confident = torch.tensor([[0.9] + [0.1 / 7] * 7]).log()
     for stop, want_calls in ((0.0, 3), (0.1, 2), (0.2, 1), (0.95, 0)):  # levels: 0.9, 0.1125, 0.014
         calls.clear()
-        trees = T.dynamic(expand, root, confident, depth=4, topk=2, budget=30, stop_below=stop)
+        trees = dynamic(expand, root, confident, depth=4, topk=2, budget=30, stop_below=stop)
         assert len(calls) == want_calls, stop
         assert int(T.tree_depths(trees.parents[0]).max()) == want_calls + 1
     with pytest.raises(ValueError, match="stop_below"):
@@ -365,15 +367,15 @@ def test_dynamic_without_expansion_equals_the_general_rerank(budget, shift):
     roots = torch.tensor([4, 9, 2])
     logprobs = torch.log_softmax(torch.randn(3, VOCAB, generator=gen), -1) + shift
     token_map = torch.arange(VOCAB) * 3 + 100
-    tokens, scores = T._topk_children(logprobs.unsqueeze(1), 3, token_map)
-    front, tree_scores = T._first_frontier(roots, tokens, scores)
-    want = T._rerank(front.tree_tokens, front.tree_parents, tree_scores, budget)
+    tokens, scores = _topk_children(logprobs.unsqueeze(1), 3, token_map)
+    front, tree_scores = _first_frontier(roots, tokens, scores)
+    want = _rerank(front.tree_tokens, front.tree_parents, tree_scores, budget)
 
     def never(front):
         raise AssertionError("no expansion expected")
 
     stops = [{"depth": 1, "stop_below": 0.0}] + ([{"depth": 4, "stop_below": 0.99}] if shift == 0.0 else [])
     for kwargs in stops:  # (positive scores never fall below a stop_below)
-        got = T.dynamic(never, roots, logprobs, topk=3, budget=budget, token_map=token_map, **kwargs)
+        got = dynamic(never, roots, logprobs, topk=3, budget=budget, token_map=token_map, **kwargs)
         for name in ("candidates", "parents", "num_nodes", "scores"):
             assert torch.equal(getattr(got, name), getattr(want, name)), (name, kwargs)

@@ -30,7 +30,10 @@ import torch
 from specplug.common import sampling as S
 from specplug.common import verify_step as V
 from specplug.common.block_verify import verify_block
+from specplug.common.randomness import position_uniforms
+from specplug.common.target_probs import process_logits
 from specplug.common.tree import DraftTree, is_chain, stack_trees
+from specplug.common.verify_result import VerifyResult
 from specplug.common.verify_step import RequestSampling, choose_rule, step_uniforms, verify_step
 from tests.common.test_sampling_lossless import ALPHA, MAX_INDEX, SAMPLES, ToyModel, chi_square_pvalue, draft_step
 
@@ -74,7 +77,7 @@ class StepModel(ToyModel):
         self.logits = torch.randn(MAX_INDEX, vocab, vocab, generator=torch.Generator().manual_seed(seed))  # as ToyModel
         self.settings = dict(temperature=temperature, top_k=vocab // 2 if filtered else 0,
                              top_p=0.9 if filtered else 1.0)
-        assert torch.allclose(S.process_logits(self.logits.view(-1, vocab), **self.settings).view(self.P.shape), self.P)
+        assert torch.allclose(process_logits(self.logits.view(-1, vocab), **self.settings).view(self.P.shape), self.P)
         self.as_logits = SimpleNamespace(P=self.logits, Q=self.Q, draft_order=self.draft_order, vocab=vocab)
 
 
@@ -151,7 +154,7 @@ def _one_draw_per_step(seeds, positions, width):
     return _position_uniforms(seeds, positions, 1).expand(-1, width)  # wrong: every depth the same draw
 
 
-_position_uniforms = S.position_uniforms
+_position_uniforms = position_uniforms
 
 
 def test_negative_control_seeded_draws_that_ignore_the_depth_fail(monkeypatch):
@@ -210,7 +213,7 @@ def _alone(batch, logits, params, q, uniforms, b):
     rule = choose_rule(sp, b in q, chain=is_chain(parents[0, :int(n)]))
     if rule == "greedy":
         return S.verify(cand, parents, rows, method="greedy", num_nodes=n)
-    p = S.process_logits(rows, sp.temperature, sp.top_k, sp.top_p, sp.min_p, order=sp.order)
+    p = process_logits(rows, sp.temperature, sp.top_k, sp.top_p, sp.min_p, order=sp.order)
     q_b = torch.cat([q[b], torch.zeros(1, VOCAB)]) if rule in ("block", "rejection") else None
     if rule == "block":
         return verify_block(cand[:, 1:int(n)], n - 1, p, q_b, uniforms[b:b + 1])
@@ -249,7 +252,7 @@ def test_padded_layout_gives_the_flat_result():
                        generator=torch.Generator().manual_seed(1))
     pad = verify_step(padded, batch.candidates, batch.parents, batch.num_nodes, params, draft_probs=padded_q,
                       generator=torch.Generator().manual_seed(1))
-    for name in S.VerifyResult._fields:
+    for name in VerifyResult._fields:
         assert torch.equal(getattr(flat, name), getattr(pad, name)), name
 
 
@@ -316,8 +319,8 @@ def test_seeded_draws_are_the_position_hash():
     params = [RequestSampling(0.8, seed=5, position=3), RequestSampling(0.8, position=3),
               RequestSampling(0.8, seed=-1, position=0)]
     u = step_uniforms(params, 4, torch.Generator().manual_seed(0))
-    assert torch.equal(u[0], S.position_uniforms(torch.tensor([5]), torch.tensor([3]), 4)[0])
-    assert torch.equal(u[2], S.position_uniforms(torch.tensor([-1]), torch.tensor([0]), 4)[0])
+    assert torch.equal(u[0], position_uniforms(torch.tensor([5]), torch.tensor([3]), 4)[0])
+    assert torch.equal(u[2], position_uniforms(torch.tensor([-1]), torch.tensor([0]), 4)[0])
     assert not torch.equal(u[1], step_uniforms(params, 4, torch.Generator().manual_seed(1))[1])
 
 
@@ -330,8 +333,8 @@ def test_typical_is_an_explicit_option():
         if sp.temperature == 0:
             _assert_row(result, _alone(batch, logits, params, q, u, b), b)
             continue
-        rows = S.process_logits(_rows(logits, batch.num_nodes, b), sp.temperature, sp.top_k, sp.top_p, sp.min_p,
-                                order=sp.order)
+        rows = process_logits(_rows(logits, batch.num_nodes, b), sp.temperature, sp.top_k, sp.top_p, sp.min_p,
+                              order=sp.order)
         alone = S.verify(batch.candidates[b:b + 1], batch.parents[b:b + 1], rows, method="typical",
                          num_nodes=batch.num_nodes[b:b + 1], uniforms=u[b:b + 1])
         _assert_row(result, alone, b)

@@ -30,6 +30,7 @@ import torch
 
 from specplug.common import sampling as S
 from specplug.common.cuda import dispatch, load_extension, try_verify
+from specplug.common.verify_result import VerifyResult
 from tests.cuda.cases import dyadic_probs, flatten, plant, random_trees, sample_rows
 from tests.cuda.emulate import build_emulator, run_emulated
 
@@ -48,8 +49,8 @@ class Backend:
 
     def __call__(self, cand, par, tgt, drf, *, method, num, uniforms, mode):
         if self.name == "emulator":
-            return S.VerifyResult(*run_emulated(self.binary, cand, par, tgt, drf, method=method, num_nodes=num,
-                                                uniforms=uniforms, mode=mode))
+            return VerifyResult(*run_emulated(self.binary, cand, par, tgt, drf, method=method, num_nodes=num,
+                                              uniforms=uniforms, mode=mode))
         cuda = lambda t: None if t is None else t.cuda()  # noqa: E731
         os.environ[dispatch.MODE_ENV] = mode
         try:
@@ -58,7 +59,7 @@ class Backend:
         finally:
             os.environ.pop(dispatch.MODE_ENV, None)
         assert got is not None, "try_verify declined a supported call"
-        return S.VerifyResult(*(t.cpu() for t in got))
+        return VerifyResult(*(t.cpu() for t in got))
 
 
 NO_GPU = not torch.cuda.is_available()
@@ -101,8 +102,8 @@ def run_both(backend, trees, target, draft=None, *, method, uniforms=None, layou
     return backend(cand, par, tgt, drf, method=method, num=num, uniforms=uniforms, mode=mode), ref
 
 
-def assert_same(got: S.VerifyResult, ref: S.VerifyResult, what: str) -> None:
-    for name, g, r in zip(S.VerifyResult._fields, got, ref):
+def assert_same(got: VerifyResult, ref: VerifyResult, what: str) -> None:
+    for name, g, r in zip(VerifyResult._fields, got, ref):
         assert g.shape == r.shape, f"{what}: {name} shape {tuple(g.shape)} != reference {tuple(r.shape)}"
         bad = (g != r).reshape(g.shape[0], -1).any(-1).nonzero().flatten().tolist()
         assert not bad, f"{what}: {name} differs for requests {bad[:8]}: kernel {g[bad[:2]].tolist()} " \
@@ -327,7 +328,7 @@ def test_sampling_verify_uses_the_kernel_on_cuda(caplog):
                           num_nodes=trees.num_nodes.cuda(), uniforms=u.cuda())
     assert any("CUDA kernel path" in r.getMessage() for r in caplog.records)
     ref = S.verify(*trees[:2], p, method="rejection", num_nodes=trees.num_nodes, uniforms=u)
-    assert_same(S.VerifyResult(*(t.cpu() for t in on_gpu)), ref, "sampling.verify on CUDA")
+    assert_same(VerifyResult(*(t.cpu() for t in on_gpu)), ref, "sampling.verify on CUDA")
 
 
 @pytest.mark.gpu

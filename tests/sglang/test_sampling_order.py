@@ -7,7 +7,7 @@ import torch
 
 pytest.importorskip("sglang", reason="needs the SGLang environment: bash scripts/test.sh sglang")
 
-from specplug.common.sampling import process_logits
+from specplug.common.target_probs import process_logits
 
 
 def sglang_p(logits, top_k, top_p, min_p):

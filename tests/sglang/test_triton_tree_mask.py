@@ -24,7 +24,9 @@ import pytest
 import torch
 
 from specplug.common import tree as T
+from specplug.common.dynamic_trees import dynamic
 from specplug.common.sglang_trees import mask_indptr, prefix_included_masks
+from specplug.common.static_trees import chain, from_choices
 from specplug.sglang_medusa.tree_attention import request_masks, tree_sdpa
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -39,15 +41,15 @@ def _trees(parents_lists) -> T.TreeBatch:
 
 
 def _dynamic_tree(budget: int, seed: int) -> T.TreeBatch:
-    """One EAGLE-2 dynamic tree (tree.dynamic) over random draft log-probs."""
+    """One EAGLE-2 dynamic tree (dynamic_trees.dynamic) over random draft log-probs."""
     g = torch.Generator().manual_seed(seed)
     vocab = 50
 
     def expand(front):
         return torch.randn(1, front.tokens.shape[1], vocab, generator=g).log_softmax(-1)
 
-    return T.dynamic(expand, torch.tensor([7]), torch.randn(1, vocab, generator=g).log_softmax(-1),
-                     depth=3, topk=2, budget=budget)
+    return dynamic(expand, torch.tensor([7]), torch.randn(1, vocab, generator=g).log_softmax(-1),
+                   depth=3, topk=2, budget=budget)
 
 
 def _random_parents(n: int, g: torch.Generator) -> list[int]:
@@ -57,14 +59,14 @@ def _random_parents(n: int, g: torch.Generator) -> list[int]:
 def _cases() -> dict[str, tuple[T.TreeBatch, list[int], int]]:
     """name -> (trees, seq_lens, reserved node count n)."""
     g = torch.Generator().manual_seed(1)
-    medusa = T.from_choices([[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0]])
+    medusa = from_choices([[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0]])
     shapes = T.stack_batches([
         T.stack_trees([medusa]),
         _trees([[-1, 0, 0, 1, 1, 2, 3], [-1, 0, 0, 0, 0], [-1, 0, 1, 1, 2, 3, 5, 5]])])
     padded = T.stack_batches([_trees([[-1], [-1, 0, 1], [-1, 0, 0, 1, 2, 2, 4]]), _dynamic_tree(5, 2)])
     tiles = _trees([_random_parents(n, g) for n in (20, 13, 17, 6)])
     return {
-        "chains": (T.stack_trees([T.chain(4)] * 4), [3, 10, 1, 27], 5),
+        "chains": (T.stack_trees([chain(4)] * 4), [3, 10, 1, 27], 5),
         "shapes": (shapes, [5, 12, 2, 33], 8),
         "padded": (padded, [1, 7, 19, 4], 10),
         "tiles": (tiles, [9, 30, 2, 16], 20),

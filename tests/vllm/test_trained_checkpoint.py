@@ -11,6 +11,7 @@ import pytest
 pytest.importorskip("vllm", reason="needs the vLLM environment: bash scripts/test.sh vllm")
 
 from specplug.common.training import train as T
+from specplug.common.training.config import TrainConfig
 from tests.vllm.conftest import PROMPTS, drafter_of
 from tests.support.tiny_eagle3 import TINY_AUX_LAYER_IDS
 
@@ -26,9 +27,9 @@ def trained_head(target, tmp_path_factory):
                                {"from": "gpt", "value": f"{w} the cat and the dog {w}"}]}
             for w in ("one", "two", "three", "red", "tree", "night", "city", "river")]
     data.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
-    cfg = T.TrainConfig(method="eagle3", target=str(target), out=str(root / "head"), data=str(data), steps=6,
-                        batch_size=2, max_length=48, warmup_steps=2, heldout_samples=2, draft_vocab_size=128,
-                        aux_layer_ids=tuple(TINY_AUX_LAYER_IDS), eval_prompts=0)
+    cfg = TrainConfig(method="eagle3", target=str(target), out=str(root / "head"), data=str(data), steps=6,
+                      batch_size=2, max_length=48, warmup_steps=2, heldout_samples=2, draft_vocab_size=128,
+                      aux_layer_ids=tuple(TINY_AUX_LAYER_IDS), eval_prompts=0)
     result = T.train(cfg)
     assert result.last_loss < result.first_loss
     return root / "head"

@@ -27,6 +27,8 @@ if importlib.util.find_spec("triton") is None:
 import torch  # noqa: E402
 
 from specplug.common import tree as T  # noqa: E402
+from specplug.common.dynamic_trees import dynamic  # noqa: E402
+from specplug.common.static_trees import chain, from_choices  # noqa: E402
 from specplug.vllm_eagle3 import paged_kv  # noqa: E402
 from specplug.vllm_eagle3.tree_attention import TreeCPUAttentionImpl, TreeRows, pad_trees  # noqa: E402
 from specplug.common.cuda.tree_attention_triton import pack_tree_masks  # noqa: E402
@@ -43,15 +45,15 @@ def _random_parents(n: int, g: torch.Generator) -> torch.Tensor:
 
 
 def _dynamic_tree() -> torch.Tensor:
-    """One EAGLE-2 dynamic tree's parents (tree.dynamic over random draft log-probs)."""
+    """One EAGLE-2 dynamic tree's parents (dynamic_trees.dynamic over random draft log-probs)."""
     g = torch.Generator().manual_seed(2)
     vocab = 50
 
     def expand(front):
         return torch.randn(1, front.tokens.shape[1], vocab, generator=g).log_softmax(-1)
 
-    batch = T.dynamic(expand, torch.tensor([7]), torch.randn(1, vocab, generator=g).log_softmax(-1),
-                      depth=3, topk=2, budget=6)
+    batch = dynamic(expand, torch.tensor([7]), torch.randn(1, vocab, generator=g).log_softmax(-1),
+                    depth=3, topk=2, budget=6)
     return batch.parents[0, : int(batch.num_nodes[0])]
 
 
@@ -62,12 +64,12 @@ def _tree(context: int, parents: torch.Tensor) -> tuple[int, torch.Tensor, int]:
 def _cases() -> dict[str, dict]:
     """name -> requests [(context length, parents or None: causal, query rows)], block size, tile, heads."""
     g = torch.Generator().manual_seed(1)
-    medusa = T.from_choices([[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0]]).parents
+    medusa = from_choices([[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0]]).parents
     shapes = [_tree(5, medusa), _tree(33, torch.tensor([-1, 0, 0, 1, 1, 2, 3])), _tree(2, _dynamic_tree()),
               _tree(50, _random_parents(20, g))]  # 20 rows: several query blocks
     mixed = [(0, None, 23), _tree(70, _random_parents(12, g)), (30, None, 1), _tree(9, torch.tensor([-1, 0, 0, 0, 0]))]
-    chains = [_tree(3, T.chain(4).parents), _tree(40, T.chain(2).parents), _tree(17, T.chain(7).parents),
-              _tree(1, T.chain(0).parents)]
+    chains = [_tree(3, chain(4).parents), _tree(40, chain(2).parents), _tree(17, chain(7).parents),
+              _tree(1, chain(0).parents)]
     return {
         "chains": dict(requests=chains, block_size=16, tile=32, heads=4),
         "shapes": dict(requests=shapes, block_size=16, tile=16, heads=4),

@@ -197,7 +197,7 @@ def try_verify(
     code = _method_code(method, draft_probs)
     _announce("CUDA kernel", f"method {method!r}{' with draft_probs' if draft_probs is not None else ''} "
               f"on {target_probs.device}")
-    from specplug.common.sampling import VerifyResult
+    from specplug.common.verify_result import VerifyResult
 
     return VerifyResult(*launch(build.module, candidates, parents, target_probs, draft_probs, code, num_nodes,
                                 uniforms, max_depth))

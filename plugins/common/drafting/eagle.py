@@ -18,8 +18,9 @@ from typing import Hashable, NamedTuple
 
 import torch
 
-from .. import tree as tree_lib
-from ..tree import Frontier, TreeBatch, TreeConfig
+from .. import dynamic_trees
+from ..dynamic_trees import Frontier
+from ..tree import TreeBatch, TreeConfig
 from .runner import HeadRunner, Segment
 from .sampled import SampledDrafts
 
@@ -197,8 +198,8 @@ class EagleDrafting:
         if sampled is not None and sampled.on:
             return sampled.draft(expand, root_tokens, root_logprobs, tree, request_ids, token_map=token_map,
                                  vocab_size=getattr(self.runner, "vocab_size", None))
-        return tree_lib.dynamic(expand, root_tokens, root_logprobs, depth=tree.depth, topk=tree.topk,
-                                budget=tree.budget, token_map=token_map, stop_below=tree.stop_below)
+        return dynamic_trees.dynamic(expand, root_tokens, root_logprobs, depth=tree.depth, topk=tree.topk,
+                                     budget=tree.budget, token_map=token_map, stop_below=tree.stop_below)
 
     def cache(self, req_id) -> DraftCache:
         if req_id not in self.caches:
@@ -226,7 +227,7 @@ class EagleDrafting:
 
 
 class TreeExpander:
-    """The `expand` callback of tree.dynamic / tree.sampled for one draft: one head step
+    """The `expand` callback of dynamic_trees.dynamic / dynamic_trees.sampled for one draft: one head step
     per frontier over every request's frontier nodes, each attending to its request's
     committed cache plus the frontier nodes drafted so far (kept here, in call order)."""
 

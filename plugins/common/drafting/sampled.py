@@ -7,7 +7,7 @@ from typing import Hashable, Mapping
 
 import torch
 
-from .. import tree as tree_lib
+from .. import dynamic_trees
 from ..tree import TreeBatch, TreeConfig
 
 
@@ -25,7 +25,7 @@ def draft_temperature(section: Mapping, environ: Mapping[str, str]) -> float | N
 
 class SampledDrafts:
     """Sampled drafting for a model-backed drafter: trees drawn i.i.d. from
-    q = softmax(draft log-probs / temperature) (specplug.common.tree.sampled), with
+    q = softmax(draft log-probs / temperature) (specplug.common.dynamic_trees.sampled), with
     TreeBatch.draft_probs = q, to verify with method "rejection". ``temperature`` None
     turns it off (deterministic top-k trees). ``seed`` gives each request a generator
     seeded at prefill, so a request's drafts reproduce whatever its batch mates."""
@@ -56,14 +56,14 @@ class SampledDrafts:
               token_map: torch.Tensor | None = None, vocab_size: int | None = None) -> TreeBatch:
         """The trees of a model-backed drafter, one place for all of them: when on,
         ``tree.topk`` sampled chains of ``tree.depth`` sharing the root (budget unused);
-        when off, EAGLE-2 top-k trees (tree.dynamic, with ``tree.stop_below``)."""
+        when off, EAGLE-2 top-k trees (dynamic_trees.dynamic, with ``tree.stop_below``)."""
         if not self.on:
-            return tree_lib.dynamic(expand, root_tokens, root_logprobs, depth=tree.depth, topk=tree.topk,
-                                    budget=tree.budget, token_map=token_map, stop_below=tree.stop_below)
-        return tree_lib.sampled(lambda f: self.q(expand(f)), root_tokens, self.q(root_logprobs),
-                                depth=tree.depth, width=tree.topk,
-                                generators=[self.generators.get(rid) for rid in request_ids],
-                                token_map=token_map, vocab_size=vocab_size)
+            return dynamic_trees.dynamic(expand, root_tokens, root_logprobs, depth=tree.depth, topk=tree.topk,
+                                         budget=tree.budget, token_map=token_map, stop_below=tree.stop_below)
+        return dynamic_trees.sampled(lambda f: self.q(expand(f)), root_tokens, self.q(root_logprobs),
+                                     depth=tree.depth, width=tree.topk,
+                                     generators=[self.generators.get(rid) for rid in request_ids],
+                                     token_map=token_map, vocab_size=vocab_size)
 
 
 def sampled_tree(tree: TreeConfig) -> TreeConfig:

@@ -95,7 +95,7 @@ def tree_option(template, accuracies) -> SpecOption:
     """The SpecOption of a static Medusa tree: depth, draft nodes (root excluded), one
     drafter pass, and per-depth prior acceptance modelled from the heads' accuracies.
 
-    template: DraftTree whose tokens are top-k ranks (tree.optimal_sparse / from_choices);
+    template: DraftTree whose tokens are top-k ranks (static_trees.optimal_sparse / from_choices);
     accuracies: [heads, topk], accuracies[h][r] = P(head h's rank-r token is right).
     """
     acc = torch.as_tensor(accuracies, dtype=torch.float64)

@@ -197,7 +197,7 @@ class RetrievalDrafter:
 
         Returns (TreeBatch, probs): candidates / parents Long [B, N], num_nodes Long [B],
         TreeBatch.scores Float [B, N] = log of each node's score (root 0, padding -inf,
-        like tree.dynamic's cumulative log-probs) and probs Float [B, N] = each node's
+        like dynamic_trees.dynamic's cumulative log-probs) and probs Float [B, N] = each node's
         score, the estimated probability that the verifier accepts it (root 1, padding
         0): comparable with a head's path probabilities. A request without any match
         gets the root alone.

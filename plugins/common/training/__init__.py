@@ -1,6 +1,9 @@
 """Head training: `specplug train` and `specplug distill`, engine-free.
 
-- `train`: the command, its config (`TrainConfig`), samples and batches, the target pass.
+- `train`: one run of the command (checks, data, head, loop, output, final eval); `cli`: its
+  command line; `config`: its settings (`TrainConfig`); `checks`: the up-front checks.
+- `samples`: conversations -> samples -> batches; `regenerate`: `--regenerate`'s replies.
+- `target`: the frozen target and its pass; `output`: the output folder and checkpoint reader.
 - `data`: prompt and conversation sets (ShareGPT, MT-bench, HumanEval, local files).
 - `distill`: the target's own replies as training data (batched through vLLM when it is there).
 - `states`: the cache of target states (aux layers + final hidden state, memory-mapped

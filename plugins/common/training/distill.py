@@ -77,7 +77,7 @@ def select_prompts(tokenizer, conversations: list[list[dict]], cfg: DistillConfi
     """First prompts in a seeded order, duplicates and over-long ones skipped, at most
     cfg.max_prompts."""
     from specplug.common.training.data import format_chat
-    from specplug.common.training.train import first_prompt
+    from specplug.common.training.samples import first_prompt
 
     order = list(range(len(conversations)))
     random.Random(cfg.seed).shuffle(order)
@@ -138,7 +138,7 @@ def _answered_ids(out: Path) -> set[str]:
 
 def hf_generator(target: str, cfg: DistillConfig):
     """texts -> replies with transformers' generate."""
-    from specplug.common.training.train import load_target
+    from specplug.common.training.target import load_target
 
     model, tokenizer = load_target(target)
     return lambda texts: generate_replies(model, tokenizer, texts, max_new_tokens=cfg.max_new_tokens,

@@ -27,8 +27,10 @@ import torch
 import torch.nn.functional as F
 
 from specplug.common.heads.eagle3 import Eagle3Config, Eagle3Head, Eagle3LaterLayer, default_aux_layer_ids
-from specplug.common.training.train import (
-    Batch, TargetOutput, TrainConfig, read_checkpoint_state, shift_left, specplug_section)
+from specplug.common.training.config import TrainConfig
+from specplug.common.training.output import read_checkpoint_state, specplug_section
+from specplug.common.training.samples import Batch, shift_left
+from specplug.common.training.target import TargetOutput
 
 logger = logging.getLogger(__name__)
 

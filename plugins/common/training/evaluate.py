@@ -83,7 +83,7 @@ def evaluate(target, tokenizer, drafter, cfg: EvalConfig) -> dict:
     """Pooled acceptance of `drafter` over cfg.prompts prompts of cfg.prompt_set."""
     from specplug.common.metrics import AcceptanceStats
     from specplug.common.reference import generate
-    from specplug.common.sampling import SamplingConfig
+    from specplug.common.target_probs import SamplingConfig
 
     stats, tokens, seconds = AcceptanceStats(), 0, 0.0
     drafter = with_retrieval(drafter) if cfg.retrieval else drafter

@@ -30,8 +30,10 @@ from typing import Any
 
 import torch
 
-from specplug.common.training.train import (
-    CHECKPOINT, Batch, TargetOutput, TrainConfig, batch_indices, collate, target_pass)
+from specplug.common.training.config import TrainConfig
+from specplug.common.training.output import CHECKPOINT
+from specplug.common.training.samples import Batch, batch_indices, collate
+from specplug.common.training.target import TargetOutput, target_pass
 
 logger = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ target's lm_head and frozen; only the residual blocks train (zero-initialised, s
 untrained head k repeats the target's next-token guess). After training, each head's
 rank accuracies (accuracies[h][r] = P(head h's rank-r token is the target's top-1),
 on held-out conversations) go into the `specplug` section as `head_accuracies`, from
-which `specplug.common.tree.optimal_sparse` builds the verification tree.
+which `specplug.common.static_trees.optimal_sparse` builds the verification tree.
 
 Compact form (`compact`, `materialise`): because the vocab projections equal the
 target's lm_head, a Medusa head set is fully described by config.json + its residual
@@ -28,8 +28,10 @@ import torch
 import torch.nn.functional as F
 
 from specplug.common.heads.medusa import MedusaConfig, MedusaHeads, ResBlock
-from specplug.common.training.train import (
-    Batch, TargetOutput, TrainConfig, batch_at, read_checkpoint_state, shift_left, specplug_section, target_pass)
+from specplug.common.training.config import TrainConfig
+from specplug.common.training.output import read_checkpoint_state, specplug_section
+from specplug.common.training.samples import Batch, batch_at, shift_left
+from specplug.common.training.target import TargetOutput, target_pass
 
 logger = logging.getLogger(__name__)
 

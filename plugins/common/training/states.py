@@ -36,7 +36,9 @@ import numpy as np
 import torch
 
 from specplug.common.testbed import file_lock
-from specplug.common.training.train import Batch, Sample, TargetOutput, TrainConfig, collate, target_pass
+from specplug.common.training.config import TrainConfig
+from specplug.common.training.samples import Batch, Sample, collate
+from specplug.common.training.target import TargetOutput, target_pass
 
 logger = logging.getLogger(__name__)
 

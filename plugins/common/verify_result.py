@@ -1,0 +1,31 @@
+"""What a verify call returns: :class:`VerifyResult` (the accepted path, how many draft
+tokens it holds, the bonus token), shared by every verifier (``sampling.verify``,
+``chains.verify_chains``, ``block_verify.verify_block``, the CUDA kernels).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+__all__ = ["VerifyResult"]
+
+
+class VerifyResult(NamedTuple):
+    """accepted_nodes Long [B, D+1] (root->last accepted, -1 padded; D = the batch's
+    max tree depth), num_accepted Long [B] (draft tokens accepted, root excluded),
+    bonus_token Long [B] (the target's token after the last accepted node)."""
+
+    accepted_nodes: torch.Tensor
+    num_accepted: torch.Tensor
+    bonus_token: torch.Tensor
+
+    def output_tokens(self, candidates: torch.Tensor) -> torch.Tensor:
+        """Emitted tokens, Long [B, D+1]: accepted draft tokens then the bonus, -1 padded
+        (the chain-shaped layout vLLM's sampler output uses)."""
+        nodes = self.accepted_nodes[:, 1:]  # [B, D]
+        toks = torch.where(nodes >= 0, candidates.gather(1, nodes.clamp(min=0)), -1)
+        pad = torch.full((toks.shape[0], 1), -1, dtype=toks.dtype, device=toks.device)
+        out = torch.cat([toks, pad], 1)  # [B, D+1]; D may be 0 (no request had drafts)
+        return out.scatter_(1, self.num_accepted.unsqueeze(1), self.bonus_token.unsqueeze(1))
