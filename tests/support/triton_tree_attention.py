@@ -1,6 +1,6 @@
 """Test support (not product code): specplug's tree attention Triton kernel
 (specplug.common.cuda.tree_attention_triton) run under Triton's interpreter on CPU tensors,
-for tests/vllm/test_tree_attention_triton.py.
+for tests/vllm/test_tree_attention_triton.py and tests/cuda/test_tree_attention_triton.py.
 
 Run as `TRITON_INTERPRET=1 python -m tests.support.triton_tree_attention CASES OUT` (the
 variable must be set before triton is imported, hence a process of its own). CASES is a
