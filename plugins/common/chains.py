@@ -48,16 +48,21 @@ def target_tokens(target: torch.Tensor, num_nodes: torch.Tensor, method: str,
     return sample_inverse_cdf(target, uniforms.to(target.device)[request, depth])
 
 
-def accept_prefix(drafts: torch.Tensor, num_drafts: torch.Tensor, tokens: torch.Tensor) -> VerifyResult:
+def accept_prefix(drafts: torch.Tensor, num_drafts: torch.Tensor, tokens: torch.Tensor,
+                  max_drafts: int | None = None) -> VerifyResult:
     """drafts Long [B, K] (b's first num_drafts[b] real), tokens Long [B, K + 1] the
     target's token after each node (node 0 the root): accepted = the longest prefix of
-    drafts equal to the target's tokens at their parents; bonus = the token after it."""
+    drafts equal to the target's tokens at their parents; bonus = the token after it.
+    max_drafts: num_drafts.max() when the caller knows it (accepted_nodes is then
+    [B, max_drafts + 1] without reading num_drafts back: no host sync, so the call can be
+    captured in a CUDA graph); None reads it."""
     k = drafts.shape[1]
     real = torch.arange(k, device=drafts.device)[None] < num_drafts[:, None]  # [B, K]
     agree = (drafts == tokens[:, :k]) & real
     num_accepted = agree.long().cumprod(1).sum(1)  # [B]
     bonus = tokens.gather(1, num_accepted[:, None]).squeeze(1)
-    node = torch.arange(int(num_drafts.max()) + 1, device=drafts.device)[None]  # [1, D + 1]
+    width = int(num_drafts.max()) if max_drafts is None else max_drafts
+    node = torch.arange(width + 1, device=drafts.device)[None]  # [1, D + 1]
     accepted_nodes = torch.where(node <= num_accepted[:, None], node, -1)
     return VerifyResult(accepted_nodes, num_accepted, bonus)
 

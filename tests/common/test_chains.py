@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from specplug.common import sampling as S
-from specplug.common.chains import verify_chains
+from specplug.common.chains import accept_prefix, verify_chains
 from specplug.common.randomness import sample_inverse_cdf
 from specplug.common.tree import chain_batch
 from specplug.common.verify_result import VerifyResult
@@ -68,6 +68,20 @@ def test_coupled_equals_verify(seed):
     draws = sample_inverse_cdf(probs, uniforms[request, depth])
     flat = _drafts_following(draws, num_drafts, vocab, gen)
     _assert_equal(*_both(num_drafts, flat, probs, "coupled", uniforms))
+
+
+def test_accept_prefix_with_max_drafts_given_reads_nothing_back():
+    """max_drafts (for CUDA graphs) gives what reading num_drafts.max() gives; the width is the one given."""
+    gen = torch.Generator().manual_seed(3)
+    drafts = torch.randint(0, 3, (32, 4), generator=gen)
+    num_drafts = torch.randint(0, 5, (32,), generator=gen)
+    tokens = torch.randint(0, 3, (32, 5), generator=gen)
+    read, given = accept_prefix(drafts, num_drafts, tokens), accept_prefix(drafts, num_drafts, tokens, max_drafts=4)
+    assert int(num_drafts.max()) == 4 and int(read.num_accepted.max()) >= 2
+    for name in S.VerifyResult._fields:
+        assert torch.equal(getattr(read, name), getattr(given, name)), name
+    wider = accept_prefix(drafts, num_drafts.clamp(max=2), tokens, max_drafts=4)
+    assert wider.accepted_nodes.shape == (32, 5) and int(wider.num_accepted.max()) <= 2
 
 
 def test_all_without_drafts_emit_the_root_token():
