@@ -63,7 +63,7 @@ def test_specplug_head_switches_the_plugin_on(engine, target, specplug_head, spe
     llm = engine(target, specplug_head)
     drafter = drafter_of(llm)
     assert type(drafter).__name__ == "SpecplugEagleProposer"
-    assert drafter.specplug == AdapterSettings(TreeConfig(topk=3))
+    assert drafter.specplug == AdapterSettings(TreeConfig(topk=3), payoff=False)  # the suite's SPECPLUG_PAYOFF=0
     assert any("specplug EAGLE-3 proposer active" in m for m in specplug_log.messages)
 
 

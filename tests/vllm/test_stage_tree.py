@@ -304,10 +304,10 @@ def test_bench_runs_stage_tree_as_specplug_tree(target, tree_head, monkeypatch):
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
 
     runner = VllmRunner(str(target), str(tree_head), max_new_tokens=8, temperature=0.0, seed=0, max_batch=1)
-    assert runner.methods()[-11:] == ["specplug", "specplug-tree", "specplug-adaptive", "specplug-hybrid",
-                                      "specplug-hybrid-tree", "specplug-hybrid-skip", "specplug-hybrid-calibrated",
-                                      "specplug-sampled", "specplug-hybrid-lengthen", "specplug-hybrid-gated",
-                                      "specplug-float-head"]
+    assert runner.methods()[-12:] == ["specplug", "specplug-fixed", "specplug-tree", "specplug-adaptive",
+                                      "specplug-hybrid", "specplug-hybrid-tree", "specplug-hybrid-skip",
+                                      "specplug-hybrid-calibrated", "specplug-sampled", "specplug-hybrid-lengthen",
+                                      "specplug-hybrid-gated", "specplug-float-head"]
     gated = json.loads((Path(runner.speculative_config("specplug-hybrid-gated")["model"]) / "config.json").read_text())
     assert gated["specplug"]["gate"] is True and gated["specplug"]["retrieval"]
     float_dir = Path(runner.speculative_config("specplug-float-head")["model"])
