@@ -287,8 +287,8 @@ class TreeVerifyWorker(BaseSpecWorker):
         logits_output = result.logits_output
         verdict = self._accept(batch, tree, logits_output.next_token_logits)
         self._verified(tree, verdict, seconds)
-        if self.payoff is not None:
-            self.payoff.verified(tree_depths(tree.parents).amax(-1).tolist(), verdict.num_accepted.tolist())
+        if self.payoff is not None:  # a request whose tree is shallower than the step's depth counts as rejected there
+            self.payoff.verified([self.payoff.depth] * len(verdict.num_accepted), verdict.num_accepted.tolist())
         accept_index, predict, accept_tokens = self._sglang_outputs(tree, verdict)
         accept_lens = (verdict.num_accepted + 1).to(torch.int32)
         move_accept_tokens_to_target_kvcache(batch, accept_index, verdict.num_accepted.to(torch.int32),

@@ -201,3 +201,24 @@ def test_the_cycle_clock_skips_steps_that_ran_more_than_their_drafts():
     clock.verified([0, 0], [0, 0])
     clock.step(2, query_lens=[1, 1])
     assert control.cost(2, 0) is not None
+
+
+def test_requests_without_drafts_in_a_drafting_step_count_as_rejections():
+    """SGLang reports every request at the step's depth (CycleClock.depth): a drafter that
+    finds nothing for most requests (retrieval without matches) is judged by what the step
+    yields (6 tokens in 1.5x a plain step's time: a loss), not by the one request that
+    drafted (3 tokens each would be a win)."""
+    def settle(per_request: bool) -> list[int]:
+        control = PayoffControl(2, PayoffSettings(min_samples=2), arms=(2,))
+        chosen = []
+        for _ in range(80):
+            depth = control.choose(4)
+            chosen.append(depth)
+            drafts = ([0, 0, 0, 2] if per_request else [depth] * 4) if depth else [0] * 4
+            control.cycle_done(1.5 if depth else 1.0, drafts, [0, 0, 0, 2] if depth else [0] * 4)
+        return chosen[-40:]
+
+    assert settle(per_request=False).count(0) >= 36
+    assert settle(per_request=True).count(2) >= 36  # the negative control: judged by its drafters alone
+    clock = CycleClock(PayoffControl(2, arms=(2,)))
+    assert clock.step(4) == clock.depth == 0

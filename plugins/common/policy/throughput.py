@@ -236,6 +236,7 @@ class CycleClock:
 
     def __init__(self, control: PayoffControl):
         self.control = control
+        self.depth = 0  # this step's depth, as step() returned it
         self._started: float | None = None
         self._verified: tuple[list[int], list[int]] | None = None
         self._disturbed = False
@@ -251,7 +252,8 @@ class CycleClock:
                 query_lens is None or list(query_lens) == [1 + d for d in drafts])
             self.control.cycle_done(now - self._started, drafts, accepted, clean)
         self._started, self._verified, self._disturbed = now, None, False
-        return self.control.choose(batch)
+        self.depth = self.control.choose(batch)
+        return self.depth
 
     def verified(self, drafts: Sequence[int], accepted: Sequence[int]) -> None:
         self._verified = (list(drafts), list(accepted))
