@@ -35,7 +35,9 @@ from pathlib import Path
 import torch
 
 from specplug.common.chains import accept_prefix
-from specplug.common.sampling import ARGMAX_CHUNK, VerifyResult, flat_node_rows
+from specplug.common.sampling import flat_node_rows
+from specplug.common.target_probs import ARGMAX_CHUNK
+from specplug.common.verify_result import VerifyResult
 from specplug.common.verify_step import RequestSampling, verify_step
 
 BATCH, K, VOCAB = 8, 4, 32000
@@ -74,7 +76,7 @@ def eager(inputs: dict) -> VerifyResult:
 
 
 def chunked_argmax(x: torch.Tensor) -> torch.Tensor:
-    """sampling.first_argmax on a non-CPU tensor of V > 4 * ARGMAX_CHUNK columns, without its NaN
+    """target_probs.first_argmax on a non-CPU tensor of V > 4 * ARGMAX_CHUNK columns, without its NaN
     fallback (a host read): the first chunk holding the row's max, then the argmax inside it."""
     rows, vocab = x.shape
     whole = vocab // ARGMAX_CHUNK * ARGMAX_CHUNK
