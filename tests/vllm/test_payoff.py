@@ -34,9 +34,10 @@ def test_greedy_output_equals_no_speculation_whatever_depths_run(engine, target,
     spec, stats = run(payoff_engine, prompts, sampling)
     assert spec == token_ids(engine(target).generate(prompts, sampling, use_tqdm=False))
     control = drafter_of(payoff_engine).payoff
-    assert control is not None and stats.num_drafts > 0
-    assert len(control.choice_counts) >= 2  # it timed plain steps and drafting ones
-    assert control.cost(batch, 0) is not None
+    # over the engine's life (batch 1, then 4) it timed plain steps and drafting ones; at
+    # batch 4 it may run plain steps only (a depth that lost at batch 1 is not explored)
+    assert control is not None and len(control.choice_counts) >= 2
+    assert control.cost(batch, 0) is not None and (batch > 1 or stats.num_drafts > 0)
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +63,8 @@ def test_trees_or_none_keep_greedy_output(engine, target, payoff_tree_engines, m
     clock = drafter_of(llm).payoff
     control = getattr(clock, "control", clock)  # the Medusa proposer holds a CycleClock
     assert control is not None and control.arms == (0, control.max_depth)
-    assert stats.num_drafts > 0 and control.choice_counts[0] > 0  # it timed plain steps and trees
+    assert set(control.choice_counts) == {0, control.max_depth}  # plain steps and trees (batch 1 first)
+    assert batch > 1 or stats.num_drafts > 0
 
 
 def test_payoff_false_or_the_environment_turns_it_off(target, monkeypatch):
