@@ -15,7 +15,7 @@ the section's "retrieval" settings, or the defaults); `specplug-hybrid-calibrate
 `specplug-hybrid-lengthen` is `specplug-hybrid` with retrieval scored as growing matches
 (RetrievalConfig lengthen, prior LENGTHEN_PRIOR, fitted to own-sequence continuations);
 `specplug-hybrid-gated` is `specplug-hybrid` with the draft gate (`"gate": true`: a request's
-chain only where its expected accepted length pays for the verify, policy.payoff);
+chain only where its expected accepted length pays for the verify, policy.draft_gate);
 `specplug-float-head` is `specplug` with the head's linears as loaded (`"head_weights": "float"`);
 `specplug-sampled` is the head's section with `"draft_temperature"` = --temperature:
 unseeded sampled requests get chains drawn from q, verified with q (use --unseeded). With

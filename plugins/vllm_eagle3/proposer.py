@@ -47,7 +47,7 @@ from specplug.common.drafting.sampled import SampledDrafts
 from specplug.common.drafting.session import DraftingSession
 from specplug.common.path_choice import best_chains
 from specplug.common.policy.calibration import HybridScale
-from specplug.common.policy.payoff import DraftGate
+from specplug.common.policy.draft_gate import DraftGate
 from specplug.common.policy.throughput import PayoffControl
 from specplug.common.tree import TreeConfig
 

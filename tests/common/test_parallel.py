@@ -121,7 +121,7 @@ def _policy(rank: int):
     rank runs rank 0's choice."""
     from specplug.common.policy.adaptive import AdaptiveController, chain_options
     from specplug.common.policy.cost import Curve, StepCosts
-    from specplug.common.policy.payoff import DraftGate
+    from specplug.common.policy.draft_gate import DraftGate
 
     free = rank == 0
     costs = StepCosts(verify=Curve([(1, 0.01), (64, 0.01 if free else 0.64)]),

@@ -1,11 +1,11 @@
-"""The draft gate (specplug.common.policy.payoff): per request, drafts only where they pay."""
+"""The draft gate (specplug.common.policy.draft_gate): per request, drafts only where they pay."""
 
 import math
 
 import torch
 
 from specplug.common.path_choice import best_chains, best_chains_expected
-from specplug.common.policy.payoff import DraftGate, best_prefix
+from specplug.common.policy.draft_gate import DraftGate, best_prefix
 from specplug.common.tree import TreeBatch
 
 
