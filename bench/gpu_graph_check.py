@@ -110,9 +110,10 @@ def specplug_line(exc: BaseException) -> str | None:
 
 
 def short(path: str) -> str:
+    """A module's path inside the package (the checkout's plugins/ or an installed specplug/)."""
     for marker in ("/plugins/", "/specplug/"):
         if marker in path:
-            return "specplug/" + path.split(marker, 1)[1]
+            return "specplug/" + path.rsplit(marker, 1)[1]
     return path
 
 
