@@ -48,7 +48,7 @@ from specplug.common.drafting.session import DraftingSession
 from specplug.common.path_choice import best_chains
 from specplug.common.policy.calibration import HybridScale
 from specplug.common.policy.draft_gate import DraftGate
-from specplug.common.policy.throughput import PayoffControl
+from specplug.common.policy.throughput import CycleClock, PayoffControl
 from specplug.common.tree import TreeConfig
 
 logger = logging.getLogger(__name__)
@@ -91,8 +91,7 @@ class SpecplugEagleProposer(EagleProposer):
         self.payoff: PayoffControl | None = None  # each step's depth from measured tokens per second
         if self.specplug.payoff and self.adaptive is None:
             self.payoff = self._payoff_control(self.num_speculative_tokens)
-        self._cycle_started: float | None = None  # when the last propose call began (payoff control)
-        self._verify_result: tuple[list[int], list[int]] | None = None  # drafts, accepted [B] of the last verify
+        self._payoff_clock = None if self.payoff is None else CycleClock(self.payoff)  # times each cycle
         # the head's EagleDrafting joins the session on the loaded head at the first step
         self.session = DraftingSession(
             None, token_drafter=token_drafter, sampled=SampledDrafts(self.specplug.draft_temperature), scale=scale,
@@ -137,7 +136,8 @@ class SpecplugEagleProposer(EagleProposer):
         if self.drafting is None:
             self.session.drafting = EagleDrafting(self.head_runner(self.model))
         self._step_timed(int(common_attn_metadata.query_start_loc_cpu[common_attn_metadata.num_reqs]))
-        self._cycle_timed(common_attn_metadata)
+        if self._payoff_clock is not None:  # the cycle since the last propose call: its drafting and verify step
+            self._payoff_clock.lap(self._query_lens(common_attn_metadata))
         if self.tree_verifier is not None:  # accepted tree nodes first, as in a chain
             target_token_ids, target_positions, target_hidden_states = self.tree_verifier.committed_order(
                 target_token_ids, target_positions, target_hidden_states)
@@ -244,23 +244,11 @@ class SpecplugEagleProposer(EagleProposer):
             return self.adaptive.choose_depth(batch)
         return self.payoff.choose(batch)
 
-    def _cycle_timed(self, attn_metadata) -> None:
-        """Payoff control's measurement: the cycle since the last propose call (its drafting
-        and the engine step verifying its drafts), its seconds and each request's drafts and
-        accepted drafts, clean when every request of the step was a decode of 1 + its drafts."""
-        now = time.perf_counter()
-        started, self._cycle_started = self._cycle_started, now
-        verified, self._verify_result = self._verify_result, None
-        if self.payoff is None or started is None:
-            return
-        batch = attn_metadata.num_reqs
-        starts = attn_metadata.query_start_loc_cpu[: batch + 1]
-        if verified is None or len(verified[0]) != batch:
-            self.payoff.cycle_done(now - started, [], [], clean=False)
-            return
-        drafts, accepted = verified
-        clean = (starts[1:] - starts[:-1]).tolist() == [1 + int(d) for d in drafts]
-        self.payoff.cycle_done(now - started, drafts, accepted, clean)
+    @staticmethod
+    def _query_lens(attn_metadata) -> list[int]:
+        """Per request: the tokens it ran in the step that just ended (1 + its drafts for a decode)."""
+        starts = attn_metadata.query_start_loc_cpu[: attn_metadata.num_reqs + 1]
+        return (starts[1:] - starts[:-1]).tolist()
 
     def _step_timed(self, tokens: int) -> None:
         """The engine step that just ended ran `tokens` new tokens: time it for the cost models."""
@@ -303,7 +291,8 @@ class SpecplugEagleProposer(EagleProposer):
 
     def _verified(self, req_ids, num_draft_tokens, num_accepted):
         """The sampler's verify result, [B] drafts scheduled and accepted per batch row."""
-        self._verify_result = (list(num_draft_tokens), num_accepted.tolist())
+        if self._payoff_clock is not None:
+            self._payoff_clock.verified(num_draft_tokens, num_accepted.tolist())
         if self.adaptive is not None:
             self.adaptive.record_verify(num_draft_tokens, num_accepted)
         self.session.verified(req_ids, num_draft_tokens, num_accepted.tolist())

@@ -231,8 +231,10 @@ class PayoffControl:
 class CycleClock:
     """Payoff control driven from an engine's step loop: `step(batch)` at the start of each
     decode step reports the cycle that just ended (clean when its verify result came in
-    and no prefill step ran in it) and returns this step's depth; `verified(drafts,
-    accepted)` after the verify, per request; `disturbed()` when a prefill step runs."""
+    and no prefill step ran in it) and returns this step's depth (an engine that chooses
+    only on some steps calls `lap()` every step and `control.choose` when it drafts);
+    `verified(drafts, accepted)` after the verify, per request; `disturbed()` when a
+    prefill step runs."""
 
     def __init__(self, control: PayoffControl):
         self.control = control
@@ -242,9 +244,15 @@ class CycleClock:
         self._disturbed = False
 
     def step(self, batch: int, query_lens: Sequence[int] | None = None) -> int:
-        """`query_lens` [B]: tokens each request ran in the step that just ended, for an
-        engine that mixes prefill chunks into decode steps (vLLM): the cycle is clean only
-        where each ran 1 + its drafts."""
+        """`lap(query_lens)`, then this step's depth for `batch` requests."""
+        self.lap(query_lens)
+        self.depth = self.control.choose(batch)
+        return self.depth
+
+    def lap(self, query_lens: Sequence[int] | None = None) -> None:
+        """Report the cycle that just ended and start the next. `query_lens` [B]: tokens each
+        request ran in the step that just ended, for an engine that mixes prefill chunks
+        into decode steps (vLLM): the cycle is clean only where each ran 1 + its drafts."""
         now = time.perf_counter()
         if self._started is not None:
             drafts, accepted = self._verified or ([], [])
@@ -252,8 +260,6 @@ class CycleClock:
                 query_lens is None or list(query_lens) == [1 + d for d in drafts])
             self.control.cycle_done(now - self._started, drafts, accepted, clean)
         self._started, self._verified, self._disturbed = now, None, False
-        self.depth = self.control.choose(batch)
-        return self.depth
 
     def verified(self, drafts: Sequence[int], accepted: Sequence[int]) -> None:
         self._verified = (list(drafts), list(accepted))
