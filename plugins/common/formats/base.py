@@ -63,6 +63,18 @@ def _config_int(config: dict, key: str, where: str, default: Any = None) -> int:
     return value
 
 
+def _layer_dims(config: dict, where: str) -> tuple[int, int, int, int, int, int]:
+    """(hidden_size, attention heads, KV heads, head_dim, intermediate_size, vocab_size) of
+    a head's decoder layer, read from its config.json (KV heads default to the attention
+    heads, head_dim to hidden_size / heads)."""
+    h = _config_int(config, "hidden_size", where)
+    heads = _config_int(config, "num_attention_heads", where)
+    kv = _config_int(config, "num_key_value_heads", where, heads)
+    head_dim = _config_int(config, "head_dim", where, h // heads)
+    return (h, heads, kv, head_dim, _config_int(config, "intermediate_size", where),
+            _config_int(config, "vocab_size", where))
+
+
 def _where(head: LoadedHead, name: str | None = None) -> str:
     base = head.path or "in-memory head"
     if name is None:

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from . import eagle1 as formats_eagle1
-from .base import NUM_AUX_HIDDEN_STATES, CheckpointError, LoadedHead, _config_int, _where
+from .base import NUM_AUX_HIDDEN_STATES, CheckpointError, LoadedHead, _config_int, _layer_dims, _where
 from .files import _checkpoint_dir, _read_config
 
 logger = logging.getLogger(__name__)
@@ -58,12 +58,7 @@ def _eagle3_aux_ids(config: dict) -> list[int] | None:
 def _eagle3_expected(config: dict, where: str) -> tuple[dict, dict]:
     """(required, optional) canonical tensor name -> shape implied by an EAGLE-3 config."""
     layers = _config_int(config, "num_hidden_layers", where, 1)
-    h = _config_int(config, "hidden_size", where)
-    heads = _config_int(config, "num_attention_heads", where)
-    kv = _config_int(config, "num_key_value_heads", where, heads)
-    head_dim = _config_int(config, "head_dim", where, h // heads)
-    inter = _config_int(config, "intermediate_size", where)
-    vocab = _config_int(config, "vocab_size", where)
+    h, heads, kv, head_dim, inter, vocab = _layer_dims(config, where)
     draft = _config_int(config, "draft_vocab_size", where, vocab)
     ht = _config_int(config, "target_hidden_size", where, h)
     ids = _eagle3_aux_ids(config)

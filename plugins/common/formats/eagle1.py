@@ -20,7 +20,7 @@ modules import each other.)
 from __future__ import annotations
 
 import copy
-from .base import CheckpointError, LoadedHead, _config_int, _where
+from .base import CheckpointError, LoadedHead, _layer_dims, _where
 
 LAYER = "layers.0."
 # Names only an EAGLE-3 layer has; in an EAGLE-1 layout they mean a mislabelled checkpoint.
@@ -46,12 +46,7 @@ def expected(head: LoadedHead) -> tuple[dict, dict]:
         raise CheckpointError("num_hidden_layers", 1, config["num_hidden_layers"], where,
                                    "specplug's EAGLE-1 head has one decoder layer (layers.0); use a 1-layer head")
     _refuse_eagle3_names(head)
-    h = _config_int(config, "hidden_size", where)
-    heads = _config_int(config, "num_attention_heads", where)
-    kv = _config_int(config, "num_key_value_heads", where, heads)
-    head_dim = _config_int(config, "head_dim", where, h // heads)
-    inter = _config_int(config, "intermediate_size", where)
-    vocab = _config_int(config, "vocab_size", where)
+    h, heads, kv, head_dim, inter, vocab = _layer_dims(config, where)
     required = {f"{LAYER}self_attn.q_proj.weight": (heads * head_dim, h),
                 f"{LAYER}self_attn.k_proj.weight": (kv * head_dim, h),
                 f"{LAYER}self_attn.v_proj.weight": (kv * head_dim, h),
