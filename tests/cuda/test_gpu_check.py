@@ -66,6 +66,14 @@ def test_a_failed_capture_is_reported_by_its_first_error_and_specplug_line():
     assert report["raised_last"].startswith("RuntimeError: operation failed")
 
 
+def run_bench(script: str, *args: str, timeout: float) -> None:
+    """bench/`script` with `args` in a process of its own (the checkout on its path); it must exit 0."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, f"bench/{script}", *args], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(NO_GPU, reason="needs a CUDA GPU: torch.cuda.is_available() is False")
 def test_captured_chain_part_replays_equal_eager(tmp_path):
@@ -79,11 +87,8 @@ def test_captured_chain_part_replays_equal_eager(tmp_path):
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton (the vLLM environment has it)")
 def test_tree_timing_dry_run_matches_dense_attention(tmp_path):
     """--device cpu (Triton's interpreter, a process of its own): the kernel equals SDPA with the dense mask."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, "bench/gpu_tree_attention.py", "--device", "cpu", "--shapes", "2x20x8",
-                           "--out", str(tmp_path / "tree")], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_bench("gpu_tree_attention.py", "--device", "cpu", "--shapes", "2x20x8", "--out", str(tmp_path / "tree"),
+              timeout=300)
     rows = json.loads((tmp_path / "tree.json").read_text())["rows"]
     assert len(rows) == 1 and rows[0]["max_abs_diff"] < 1e-5
 
@@ -91,11 +96,7 @@ def test_tree_timing_dry_run_matches_dense_attention(tmp_path):
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="specplug train needs transformers")
 def test_train_check_runs_on_the_cpu(tmp_path):
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, "bench/gpu_train_check.py", "--device", "cpu", "--steps", "2",
-                           "--out", str(tmp_path / "train")], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_bench("gpu_train_check.py", "--device", "cpu", "--steps", "2", "--out", str(tmp_path / "train"), timeout=600)
     report = json.loads((tmp_path / "train.json").read_text())
     assert report["ok"] and report["steps_done"] == 2 and report["steps_per_s"] > 0
 
