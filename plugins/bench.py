@@ -132,6 +132,8 @@ def run(args: argparse.Namespace) -> int:
             report["meta"][f"{engine}_version"] = runner.version
             prompts = load_prompts(args, runner)
             methods = args.methods.split(",") if args.methods else runner.methods()
+            for method in methods:
+                getattr(runner, "check_method", lambda _: None)(method)
             if args.interleave > 0:
                 results = interleaved(engine, args, methods, prompts, batch_sizes)
             else:

@@ -1,7 +1,8 @@
 """vLLM runner for `specplug bench`: one in-process engine per method, batches fed in
 groups of `batch_size` requests that all generate exactly `max_new_tokens` tokens.
 
-Methods: `none` (no speculation), `ngram` (vLLM's prompt lookup), `eagle3` (vLLM's
+Methods: `none` (no speculation), `ngram` (vLLM's prompt lookup), `suffix` (vLLM's
+SuffixDecoding with its defaults, where Arctic Inference imports: scripts/arctic_suffix.sh), `eagle3` (vLLM's
 built-in EAGLE-3 chain with the head's weights, the `specplug` config section
 stripped), `specplug` (the same head with its `specplug` section, stage
 "chain": our proposer, the tree's best path verified as a chain; with `--adaptive` a
@@ -46,6 +47,16 @@ from specplug.vllm_eagle3.metrics import spec_decode_stats
 
 NGRAM_CONFIG = {"method": "ngram", "num_speculative_tokens": 4,
                 "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+SUFFIX_CONFIG = {"method": "suffix"}  # vLLM's defaults: up to 24 tokens a step, as its tree finds them
+NO_ARCTIC = ("specplug bench: method 'suffix' needs Arctic Inference (vLLM's SuffixDecoding), which PyPI ships as "
+             "source only: build it for this environment with `export PYTHONPATH=$(bash scripts/arctic_suffix.sh "
+             "VENV)` (docs/benchmarks.md), or `pip install arctic-inference` where a CUDA toolkit is installed")
+
+
+def has_arctic_inference() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("arctic_inference") is not None
 
 
 # methods whose draft count is not a chain length: no speculation, tree stages, vLLM's Medusa (K = its heads)
@@ -208,7 +219,14 @@ class VllmRunner:
         drafts = ["draft_model"] + (["specplug-draft-model"] if self.head else []) if self.draft_model else []
         drafts += ["specplug-self-spec"] if self.self_spec_layers and self.head else []
         medusa = ["medusa", "specplug-medusa", "specplug-medusa-tree"] if self.medusa_head else []
-        return ["none", "ngram"] + drafts + (specplug if self.head else []) + medusa
+        suffix = ["suffix"] if has_arctic_inference() else []
+        return ["none", "ngram"] + suffix + drafts + (specplug if self.head else []) + medusa
+
+    def check_method(self, method: str) -> None:
+        """SystemExit, before any engine starts, for a method this Python cannot run."""
+        base, _ = chain_length(method)
+        if base == "suffix" and not has_arctic_inference():
+            raise SystemExit(NO_ARCTIC)
 
     def speculative_config(self, method: str) -> dict | None:
         base, k = chain_length(method)
@@ -222,6 +240,10 @@ class VllmRunner:
             return None
         if method == "ngram":
             return dict(NGRAM_CONFIG)
+        if method == "suffix":
+            if not has_arctic_inference():
+                raise SystemExit(NO_ARCTIC)
+            return dict(SUFFIX_CONFIG)
         if method == "draft_model":
             return {"method": "draft_model", "model": self._draft_model(), "num_speculative_tokens": DRAFT_MODEL_K}
         if method in ("medusa", "specplug-medusa", "specplug-medusa-tree"):
@@ -348,13 +370,19 @@ class VllmRunner:
     def _forget_earlier_runs(llm) -> None:
         """Every run starts from cold caches: an earlier run of the same engine (another
         batch size) generated the same prompts, whose KV blocks vLLM's prefix cache and
-        whose outputs the token drafter (retrieval: its cache of recent requests) would reuse.
+        whose outputs the token drafter (retrieval: its cache of recent requests) and vLLM's
+        suffix method (its global tree of finished responses) would reuse.
         (vLLM's EAGLE path recomputes a prompt's last cached block, so a warm prefix
         cache favoured `none` over every EAGLE method.)"""
         llm.reset_prefix_cache()
-        drafter = getattr(engine_drafter(llm), "token_drafter", None)
+        proposer = engine_drafter(llm)
+        drafter = getattr(proposer, "token_drafter", None)
         if drafter is not None:
             drafter.clear_cache()
+        suffix_cache = getattr(proposer, "suffix_cache", None)
+        if suffix_cache is not None:
+            for request in set(suffix_cache.cached_requests) - set(suffix_cache.active_requests):
+                suffix_cache.evict_cached_response(request)
 
     def close(self) -> None:
         if self._llm is not None:

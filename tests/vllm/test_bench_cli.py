@@ -91,3 +91,17 @@ def test_chain_length_suffix_sets_k_and_refuses_what_is_not_a_chain():
                       ("none:4", "no chain length")):
         with pytest.raises(SystemExit, match=says):
             chain_length(bad)
+
+
+def test_suffix_without_arctic_inference_is_refused_with_the_build_command(tiny_llama_path, tmp_path):
+    """vLLM's `suffix` needs Arctic Inference, which PyPI ships as source only: without it the
+    bench stops before any engine starts, naming scripts/arctic_suffix.sh."""
+    from specplug.vllm_eagle3.bench_runner import has_arctic_inference
+
+    if has_arctic_inference():
+        pytest.skip("Arctic Inference is importable here")
+    cmd = [sys.executable, "-m", "specplug.cli", "bench", "--engine", "vllm", "--model", str(tiny_llama_path),
+           "--methods", "none,suffix", "--batch-sizes", "1", "--out", str(tmp_path)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0 and "scripts/arctic_suffix.sh" in done.stderr
+    assert not (tmp_path / "bench.json").exists()
