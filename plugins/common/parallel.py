@@ -102,10 +102,13 @@ def shard_error(config: Any, tp_size: int, head: str, option: str, padding: int 
              f"one of {', '.join(map(str, fits))} (the sizes up to {MAX_SUGGESTED_TP} that divide them)")
     vocab = [f"{n} {fitting_vocab(s, tp_size, padding)}" for n in VOCAB_FIELDS
              if (s := _field(config, n)) is not None and padded_vocab(s, padding) % tp_size]
+    if all(p.startswith("draft_vocab_size") for p in problems):  # the one dimension a conversion can pad
+        return (f"{head} cannot be sharded over {option} {tp_size}: {problems[0]}. Fix: set {option} to {sizes}, "
+                f"or pad the head's draft vocabulary to {vocab[0]}: specplug convert HEAD NEW_HEAD --to eagle3 "
+                f"--tensor-parallel-size {tp_size}, and serve NEW_HEAD")
     example = f" (e.g. {', '.join(vocab)})" if vocab else ""
     return (f"{head} cannot be sharded over {option} {tp_size}: {'; '.join(problems)}. Fix: set {option} "
-            f"to {sizes}, or train or convert a head "
-            f"whose sharded dimensions divide by {tp_size}{example}")
+            f"to {sizes}, or train a head whose sharded dimensions divide by {tp_size}{example}")
 
 
 # -- the rank rule ---------------------------------------------------------------------------

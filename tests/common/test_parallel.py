@@ -57,10 +57,15 @@ def test_the_message_names_the_head_the_numbers_and_the_fix():
     message = parallel.shard_error(EAGLE3, 3, "the specplug head H", "tensor_parallel_size")
     assert message == (
         "the specplug head H cannot be sharded over tensor_parallel_size 3: draft_vocab_size 8192 is not "
-        "divisible by 3. Fix: set tensor_parallel_size to 1 (the only size up to 8 that divides them), or train "
-        "or convert a head whose sharded dimensions divide by 3 (e.g. draft_vocab_size 8256)")
+        "divisible by 3. Fix: set tensor_parallel_size to 1 (the only size up to 8 that divides them), or pad "
+        "the head's draft vocabulary to draft_vocab_size 8256: specplug convert HEAD NEW_HEAD --to eagle3 "
+        "--tensor-parallel-size 3, and serve NEW_HEAD")
     wide = {"draft_vocab_size": 8192, "num_attention_heads": 8, "num_key_value_heads": 2}
-    assert "to one of 1, 2, 4, 8 (the sizes up to 8 that divide them)" in parallel.shard_error(wide, 3, "h", "tp")
+    assert parallel.shard_error(wide, 3, "h", "tp") == (
+        "h cannot be sharded over tp 3: draft_vocab_size 8192 is not divisible by 3; num_attention_heads 8 is not "
+        "divisible by 3; num_key_value_heads 2 neither divides by 3 nor divides it. Fix: set tp to one of 1, 2, 4, "
+        "8 (the sizes up to 8 that divide them), or train a head whose sharded dimensions divide by 3 (e.g. "
+        "draft_vocab_size 8256)")
 
 
 def test_transformers_style_configs_are_read_by_attribute():

@@ -43,6 +43,7 @@ examples:
   specplug convert ./medusa-head ./head-vllm --to vllm-medusa --json
   specplug convert heads/smollm2-medusa ./head-vllm --to vllm-medusa --target ./smollm2  # compact form
   specplug convert ./EAGLE-LLaMA3-Instruct-8B ./eagle1-head --to eagle1 --target ./llama3-8b
+  specplug convert heads/smollm2-eagle3 ./head-tp3 --to eagle3 --tensor-parallel-size 3  # 8192 -> 8256
 """
 
 
@@ -61,6 +62,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="target model directory: validate the head against its config.json "
                              "(hidden size, vocab, d2t range, aux layer ids) and record it as the "
                              "speculators verifier")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
+                        help="EAGLE-3: pad the draft vocabulary (zero lm_head rows standing for target tokens "
+                             "outside it) so that N tensor-parallel ranks can shard the head, e.g. 8192 -> 8256 "
+                             "for N = 3; other dimensions that do not divide by N are refused")
     parser.add_argument("--overwrite", action="store_true", help="replace a head already in DST")
     parser.add_argument("--json", action="store_true", help="print a machine-readable JSON summary")
 
@@ -98,7 +103,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         with tempfile.TemporaryDirectory(prefix="specplug-convert-") as scratch:
             src = _full_source(args.src, args.target, scratch)
-            summary = convert(src, args.dst, args.to, target_config=args.target, overwrite=args.overwrite)
+            summary = convert(src, args.dst, args.to, target_config=args.target, overwrite=args.overwrite,
+                              tensor_parallel_size=args.tensor_parallel_size)
             summary["source"] = str(args.src)
     except ValueError as exc:  # CheckpointError (bad checkpoint) or a bad --to for this head
         if args.json:

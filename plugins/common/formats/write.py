@@ -21,6 +21,7 @@ from .parse import (
     _VLLM_MEDUSA_KEYS, detect_format,
 )
 from .checks import _eagle3_aux_ids, _where, validate
+from .shards import pad_draft_vocab
 
 logger = logging.getLogger(__name__)
 
@@ -323,11 +324,14 @@ def _write(path: Path, config: dict, state: dict, weight_file: str, overwrite: b
 
 
 def convert(src: str | Path, dst: str | Path, to: str, *, target_config: Any = None,
-            overwrite: bool = False) -> dict:
+            overwrite: bool = False, tensor_parallel_size: int = 1) -> dict:
     """Convert the head in `src` to format `to` in `dst` (validated against
-    `target_config` when given). Returns a JSON-ready summary."""
+    `target_config` when given), its draft vocabulary padded so that `tensor_parallel_size`
+    ranks can shard it (formats.shards). Returns a JSON-ready summary."""
     head = load_head(src, target_config)
+    head, padding = pad_draft_vocab(head, tensor_parallel_size)
     report = save_head(head, dst, to, target_config=target_config, overwrite=overwrite)
+    report.notes[:0] = padding
     return {"source": str(src), "source_format": head.format, "destination": str(dst), "format": to,
             "method": head.method, "tensors": len(head.state_dict), "files": report.files,
             "dropped": report.dropped, "notes": report.notes}
