@@ -190,6 +190,9 @@ def use_quantized_weights(model, state, fmt: str = "int8", target_model=None) ->
     checked against the layer it replaces on random rows; on any mismatch (or where the
     format cannot run) nothing changes. Returns None when swapped, else why not."""
     modules = eagle3_linears(model)
+    ranks = max(getattr(module, "tp_size", 1) for module in modules.values())
+    if ranks > 1:
+        return f"the head's linears are sharded over {ranks} tensor-parallel ranks; {fmt} weights run on one rank"
     patches = {role: LM_HEAD_QUANT_METHOD if role == "lm_head" else LINEAR_QUANT_METHOD for role in modules}
     refused = next(filter(None, (PATCHES.instance_refusal(patches[r], m) for r, m in modules.items())), None)
     if refused is not None:

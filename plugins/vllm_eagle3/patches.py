@@ -247,7 +247,8 @@ PATCHES = PatchSet("vLLM", vllm_version, [
           versions=SUPPORTED_VLLM_VERSIONS),
     Patch(SHARDS, REFUSAL_SITE, WRAP, "specplug.vllm_eagle3.settings:checking_head_shards",
           Expect(qualname="SpeculativeConfig.__post_init__", module="vllm.config"),
-          "refuses a specplug head whose dimensions tensor_parallel_size cannot shard, naming them and the fix",
+          "refuses a specplug head whose dimensions tensor_parallel_size cannot shard (naming them and the fix), "
+          "or any specplug head at pipeline_parallel_size > 1",
           "settings.py, specplug.common.parallel", versions=SUPPORTED_VLLM_VERSIONS),
     Patch(REFUSAL, REFUSAL_SITE, WRAP, refusing_post_init,
           Expect(qualname="SpeculativeConfig.__post_init__", module="vllm.config"),

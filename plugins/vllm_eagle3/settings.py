@@ -13,8 +13,9 @@ specplug section"). vLLM maps no argument onto the schema: its num_speculative_t
 checked against the tree here (check_num_speculative_tokens). What this adapter adds:
 sampled drafts (draft_temperature) and the draft gate run in stage "chain" only, adaptive
 speculation not in stage "tree"; a head whose dimensions vLLM cannot shard over the
-engine's tensor_parallel_size is refused when vLLM builds its speculative config
-(check_head_shards, patch "SpeculativeConfig.__post_init__ shards" in patches.py).
+engine's tensor_parallel_size, or any head at pipeline_parallel_size > 1, is refused when
+vLLM builds its speculative config (check_head_shards, patch "SpeculativeConfig.__post_init__
+shards" in patches.py).
 """
 
 from __future__ import annotations
@@ -132,7 +133,8 @@ def check_head_matches_target(head_dir: str, target_config: Any, vllm_method: st
 
 def check_head_shards(speculative_config: Any) -> None:
     """ValueError naming the head's dimensions that vLLM cannot shard over the engine's
-    tensor_parallel_size (specplug.common.parallel.shard_error), for specplug heads only:
+    tensor_parallel_size (specplug.common.parallel.shard_error), or the engine's
+    pipeline_parallel_size when above 1, for specplug heads only:
     vLLM builds the head with the target's TP size and would fail at load with an
     AssertionError from its vocab-parallel or QKV layers."""
     draft = getattr(speculative_config, "draft_model_config", None)
@@ -142,6 +144,13 @@ def check_head_shards(speculative_config: Any) -> None:
     section = specplug_section(draft.hf_config, speculative_config.method)
     if section is None:
         return
+    stages = getattr(parallel, "pipeline_parallel_size", 1)
+    if stages > 1:
+        raise ValueError(
+            f"the specplug head {draft.model} runs at pipeline_parallel_size 1 only, got {stages}: specplug's "
+            f"proposer reads the target's hidden states of several layers and its logits, which pipeline stages "
+            f"hold apart. Fix: set pipeline_parallel_size 1 and shard with tensor_parallel_size instead "
+            f"(docs/tensor_parallel.md)")
     tp_size = parallel.tensor_parallel_size
     message = shard_error(draft.hf_config, tp_size, f"the specplug head {draft.model}", "tensor_parallel_size")
     if message is not None:

@@ -27,11 +27,12 @@ REFUSAL = ("the specplug head H cannot be sharded over tensor_parallel_size 3: d
            "divisible by 3. Fix: set tensor_parallel_size to 1")
 
 
-def _speculative_config(tp_size: int, section: dict | None = None, method: str = "eagle3", **shape):
+def _speculative_config(tp_size: int, section: dict | None = None, method: str = "eagle3", pp_size: int = 1,
+                        **shape):
     config = {**SHAPE, **shape, **({"specplug": section} if section is not None else {})}
     draft = SimpleNamespace(model="H", hf_config=SimpleNamespace(**config))
-    return SimpleNamespace(method=method, draft_model_config=draft,
-                           target_parallel_config=SimpleNamespace(tensor_parallel_size=tp_size))
+    parallel = SimpleNamespace(tensor_parallel_size=tp_size, pipeline_parallel_size=pp_size)
+    return SimpleNamespace(method=method, draft_model_config=draft, target_parallel_config=parallel)
 
 
 @pytest.mark.parametrize("method, kind", [("eagle3", "eagle3"), ("eagle", "eagle1"), ("medusa", "medusa")])
@@ -40,6 +41,13 @@ def test_a_specplug_head_that_cannot_be_sharded_is_refused(method, kind):
         check_head_shards(_speculative_config(3, {"method": kind}, method))
     assert str(error.value).startswith(REFUSAL)
     assert "draft_vocab_size 8256" in str(error.value)
+
+
+def test_pipeline_parallelism_is_refused_for_specplug_heads_only():
+    with pytest.raises(ValueError, match="the specplug head H runs at pipeline_parallel_size 1 only, got 2: .*Fix: "
+                                         "set pipeline_parallel_size 1 and shard with tensor_parallel_size"):
+        check_head_shards(_speculative_config(1, {"method": "eagle3"}, pp_size=2))
+    check_head_shards(_speculative_config(1, None, pp_size=2))  # vLLM's own EAGLE-3 path: vLLM's behaviour
 
 
 def test_heads_that_shard_and_heads_without_a_section_pass():
@@ -68,6 +76,7 @@ def test_vllm_refuses_the_committed_head_at_tp_3_before_any_worker_starts(monkey
     assert f"the specplug head {HEAD} cannot be sharded over tensor_parallel_size 3" in message
     assert f"draft_vocab_size {draft_vocab} is not divisible by 3" in message
     assert "Fix: set tensor_parallel_size to 1" in message
+    assert "specplug convert HEAD NEW_HEAD --to eagle3 --tensor-parallel-size 3" in message
 
 
 def test_one_rank_decides_alone():
@@ -82,26 +91,30 @@ def test_one_rank_decides_alone():
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_a_shardable_head_at_tp_3_keeps_greedy_output():
+def test_the_committed_head_padded_for_tp_3_keeps_greedy_output_and_drafts(tmp_path):
     """The test bed at tensor_parallel_size 3 (multiprocess executor, ranks bound to cores
-    0|1|0) with a freshly initialised EAGLE-3 head (draft vocabulary = the target's 49152,
-    which shards), adaptive speculation on: every rank runs rank 0's depth each step (a
-    rank that drafted another depth would run another number of head passes, a collective
-    each, and hang), and greedy output equals the same engine without speculation."""
+    0|1|0) with the committed EAGLE-3 head, its draft vocabulary padded 8192 -> 8256 by
+    `specplug convert --tensor-parallel-size 3`, as committed (stage chain, payoff control
+    on, deciding on rank 0 and broadcasting; its int4 weights run as loaded under TP), with
+    the rank check on: greedy output equals the same engine without speculation, and the
+    trained head's drafts are accepted (the padding keeps what it drafts)."""
     import subprocess
     import sys
 
+    from specplug.common.formats import convert
     from specplug.common.testbed import target_dir
-    from specplug.vllm_eagle3.bench_runner import adaptive_head
-    from specplug.vllm_eagle3.demo import untrained_head
 
-    target = target_dir()
-    head = adaptive_head(str(untrained_head(target)))
+    if HEAD is None:
+        pytest.skip("no specplug EAGLE-3 head committed under heads/")
+    head = str(tmp_path / "head-tp3")
+    convert(HEAD, head, "eagle3", tensor_parallel_size=3)
     env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
-    proc = subprocess.run([sys.executable, "-m", "tests.support.tp_generate", "--target", str(target), "--tp", "3",
-                           "base", head], capture_output=True, text=True, timeout=840, env=env, cwd=ROOT)
+    env["SPECPLUG_CHECK_RANKS"] = "1"
+    proc = subprocess.run([sys.executable, "-m", "tests.support.tp_generate", "--target", str(target_dir()),
+                           "--tp", "3", "base", head], capture_output=True, text=True, timeout=840, env=env, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     from tests.support.tp_generate import MARKER
 
     out = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith(MARKER))[len(MARKER):])
-    assert out[head] == out["base"] and sum(map(len, out["base"])) >= 32  # a prompt may stop early
+    assert out[head]["ids"] == out["base"]["ids"] and sum(map(len, out["base"]["ids"])) >= 32  # a prompt may stop
+    assert out[head]["accepted"] > 0
