@@ -114,6 +114,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "engine, so a host whose speed drifts slows every method alike (ratios you can "
                              "trust on a shared or throttling machine; needs memory for one engine per "
                              "method); 0 = one method after another")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
+                        help="vLLM: shard the target (and head) over N ranks with the multiprocess executor; on a "
+                             "CPU each rank is bound to a core round robin unless VLLM_CPU_OMP_THREADS_BIND is set. "
+                             "A head whose draft vocabulary does not shard: specplug convert HEAD NEW --to eagle3 "
+                             "--tensor-parallel-size N. SGLang: specplug's algorithms run on one rank")
     parser.add_argument("--adaptive", action="store_true",
                         help="turn on adaptive (batch-aware) speculation for specplug methods")
     parser.add_argument("--out", default="bench-results", help="folder for the JSON and PNG")
@@ -270,6 +275,7 @@ def _meta(args: argparse.Namespace, batch_sizes: list[int]) -> dict:
             "max_new_tokens": args.max_new_tokens, "batch_sizes": batch_sizes,
             "temperature": args.temperature, "seed": args.seed, "unseeded": getattr(args, "unseeded", False),
             "adaptive": args.adaptive, "interleave": getattr(args, "interleave", 0),
+            "tensor_parallel_size": getattr(args, "tensor_parallel_size", 1),
             "environment": {k: v for k, v in sorted(os.environ.items()) if k.startswith("SPECPLUG_")}}
 
 
@@ -282,6 +288,7 @@ def markdown(report: dict) -> str:
     lines = [f"machine: {m['machine']} ({m['device']}); model: {m['model']}; prompts: {m['prompts']} "
              f"x{m['num_prompts']}, {m['max_new_tokens']} new tokens; T={m['temperature']}; "
              f"{'unseeded requests' if m.get('unseeded') else 'seed ' + str(m['seed'])}"
+             + (f"; tensor_parallel_size {m['tensor_parallel_size']}" if m.get("tensor_parallel_size", 1) > 1 else "")
              + "".join(f"; {k}={v}" for k, v in m.get("environment", {}).items()),
              "", "| engine | batch | method | tok/s | speed-up | tau | accepted by position | draft / verify time "
              "| same as none |", "|---|---|---|---|---|---|---|---|---|"]

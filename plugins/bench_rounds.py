@@ -87,10 +87,12 @@ class MethodWorker:
         self.method, self.log = method, log
         context = multiprocessing.get_context("spawn")
         self._conn, child = context.Pipe()
-        # SGLang's engine starts its scheduler as a child process, which a daemonic process
-        # may not have; a non-daemonic worker still ends with this one (its recv() raises).
+        # SGLang's engine starts its scheduler as a child process, and vLLM's multiprocess
+        # executor (tensor parallelism) its workers, which a daemonic process may not have;
+        # a non-daemonic worker still ends with this one (its recv() raises).
+        children = engine == "sglang" or getattr(args, "tensor_parallel_size", 1) > 1
         self._process = context.Process(target=_serve, args=(child, engine, args, method, log),
-                                        name=f"specplug-bench-{method}", daemon=engine != "sglang")
+                                        name=f"specplug-bench-{method}", daemon=not children)
         self._process.start()
         child.close()
 

@@ -64,6 +64,10 @@ TYPICAL = {"speculative_accept_threshold_single": 0.09, "speculative_accept_thre
 def make_runner(args):
     from specplug.common import testbed
 
+    if getattr(args, "tensor_parallel_size", 1) > 1:
+        raise SystemExit(f"specplug bench: --tensor-parallel-size {args.tensor_parallel_size}: specplug's SGLang "
+                         "algorithms run on one tensor-parallel rank (docs/tensor_parallel.md); measure tensor "
+                         "parallelism with --engine vllm")
     model = args.model or str(testbed.target_dir())
     given = args.head
     eagle3 = given is not None and is_eagle3_head(given)

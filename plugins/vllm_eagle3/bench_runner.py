@@ -8,7 +8,8 @@ stripped), `specplug` (the same head with its `specplug` section, stage
 "chain": our proposer, the tree's best path verified as a chain; with `--adaptive` a
 copy of the head whose section says `"adaptive": true`) and `specplug-tree` (a
 copy whose section says `"stage": "tree"`, the whole tree verified in one target pass,
-num_speculative_tokens = the tree budget); `specplug-hybrid` and `specplug-hybrid-tree`
+num_speculative_tokens = the tree budget; `specplug-tree-fixed`: with payoff control off, every
+step verifies the whole tree); `specplug-hybrid` and `specplug-hybrid-tree`
 are those two with hybrid drafting on; `specplug-hybrid-skip` is `specplug-hybrid` with
 retrieval-only steps (RetrievalConfig.head_skip = HEAD_SKIP) (retrieval candidates merged into the head's tree:
 the section's "retrieval" settings, or the defaults); `specplug-hybrid-calibrated` is
@@ -60,7 +61,8 @@ def has_arctic_inference() -> bool:
 
 
 # methods whose draft count is not a chain length: no speculation, tree stages, vLLM's Medusa (K = its heads)
-NO_CHAIN_LENGTH = ("none", "specplug-tree", "specplug-hybrid-tree", "specplug-medusa-tree", "medusa")
+NO_CHAIN_LENGTH = ("none", "specplug-tree", "specplug-tree-fixed", "specplug-hybrid-tree", "specplug-medusa-tree",
+                   "medusa")
 
 
 def chain_length(method: str) -> tuple[str, int | None]:
@@ -90,7 +92,8 @@ def make_runner(args):
                       adaptive=getattr(args, "adaptive", False), draft_model=getattr(args, "draft_model", None),
                       self_spec_layers=getattr(args, "self_spec_layers", None),
                       seeded=not getattr(args, "unseeded", False),
-                      medusa_head=vllm_medusa_head(getattr(args, "medusa_head", None), model))
+                      medusa_head=vllm_medusa_head(getattr(args, "medusa_head", None), model),
+                      tensor_parallel_size=getattr(args, "tensor_parallel_size", 1))
 
 
 def vllm_medusa_head(given: str | None, target: str) -> str | None:
@@ -121,6 +124,27 @@ def default_head() -> str | None:
 def engine_drafter(llm):
     """The drafter (proposer) of an in-process vLLM engine, or None without speculation."""
     return getattr(llm.llm_engine.model_executor.driver_worker.worker.model_runner, "drafter", None)
+
+
+def forget_finished_requests(worker) -> None:
+    """On one vLLM worker (through LLM.collective_rpc, so on every tensor-parallel rank):
+    the caches of finished requests that drafting reuses emptied, namely specplug's token
+    drafter's (retrieval: recent requests) and vLLM suffix decoding's global tree."""
+    proposer = getattr(getattr(worker, "worker", worker).model_runner, "drafter", None)
+    drafter = getattr(proposer, "token_drafter", None)
+    if drafter is not None:
+        drafter.clear_cache()
+    suffix_cache = getattr(proposer, "suffix_cache", None)
+    if suffix_cache is not None:
+        for request in set(suffix_cache.cached_requests) - set(suffix_cache.active_requests):
+            suffix_cache.evict_cached_response(request)
+
+
+def threads_bind(tp_size: int, cores: int | None = None) -> str:
+    """VLLM_CPU_OMP_THREADS_BIND for `tp_size` ranks on this host's cores, one core per
+    rank round robin ("0|1|0": 3 ranks on 2 cores)."""
+    cores = cores or os.cpu_count() or 1
+    return "|".join(str(rank % cores) for rank in range(tp_size))
 
 
 def strip_specplug_section(head: str) -> str:
@@ -198,9 +222,12 @@ class VllmRunner:
     def __init__(self, model: str, head: str | None, *, max_new_tokens: int,
                  temperature: float, seed: int, max_batch: int, adaptive: bool = False,
                  draft_model: str | None = None, self_spec_layers: str | None = None, seeded: bool = True,
-                 medusa_head: str | None = None):
+                 medusa_head: str | None = None, tensor_parallel_size: int = 1):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB; vLLM-CPU needs it set
+        if tensor_parallel_size > 1:
+            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", threads_bind(tensor_parallel_size))
+        self.tensor_parallel_size = tensor_parallel_size
         import vllm
         from transformers import AutoTokenizer
 
@@ -213,7 +240,8 @@ class VllmRunner:
         self._method, self._llm = None, None
 
     def methods(self) -> list[str]:
-        specplug = ["eagle3", "specplug", "specplug-fixed", "specplug-tree", "specplug-adaptive", "specplug-hybrid",
+        specplug = ["eagle3", "specplug", "specplug-fixed", "specplug-tree", "specplug-tree-fixed", "specplug-adaptive",
+                    "specplug-hybrid",
                     "specplug-hybrid-tree", "specplug-hybrid-skip", "specplug-hybrid-calibrated", "specplug-sampled",
                     "specplug-hybrid-lengthen", "specplug-hybrid-gated", "specplug-float-head"]
         drafts = ["draft_model"] + (["specplug-draft-model"] if self.head else []) if self.draft_model else []
@@ -261,6 +289,10 @@ class VllmRunner:
             head = _head_copy(self.head, "specplug-fixed-head-", lambda config: config.setdefault(
                 "specplug", {}).update(stage="chain", payoff=False))
             return {"method": "eagle3", "model": head, "num_speculative_tokens": tree.depth}
+        if method == "specplug-tree-fixed":  # payoff control off: every step verifies the whole tree
+            head = _head_copy(self.head, "specplug-tree-fixed-head-", lambda config: config.setdefault(
+                "specplug", {}).update(stage="tree", payoff=False))
+            return {"method": "eagle3", "model": head, "num_speculative_tokens": tree.budget}
         if method == "specplug-adaptive":
             return {"method": "eagle3", "model": adaptive_head(self.head), "num_speculative_tokens": tree.depth}
         if method == "specplug-tree":
@@ -331,7 +363,9 @@ class VllmRunner:
 
             self._llm = LLM(
                 model=self.model, dtype="float32", enforce_eager=True, seed=self.seed,
-                distributed_executor_backend="uni", disable_log_stats=False,
+                tensor_parallel_size=self.tensor_parallel_size,
+                distributed_executor_backend="uni" if self.tensor_parallel_size == 1 else "mp",
+                disable_log_stats=False,
                 max_num_seqs=self.max_batch, max_model_len=2048,
                 speculative_config=self.speculative_config(method))
             self._method = method
@@ -370,19 +404,11 @@ class VllmRunner:
     def _forget_earlier_runs(llm) -> None:
         """Every run starts from cold caches: an earlier run of the same engine (another
         batch size) generated the same prompts, whose KV blocks vLLM's prefix cache and
-        whose outputs the token drafter (retrieval: its cache of recent requests) and vLLM's
-        suffix method (its global tree of finished responses) would reuse.
+        whose outputs drafting (forget_finished_requests) would reuse.
         (vLLM's EAGLE path recomputes a prompt's last cached block, so a warm prefix
         cache favoured `none` over every EAGLE method.)"""
         llm.reset_prefix_cache()
-        proposer = engine_drafter(llm)
-        drafter = getattr(proposer, "token_drafter", None)
-        if drafter is not None:
-            drafter.clear_cache()
-        suffix_cache = getattr(proposer, "suffix_cache", None)
-        if suffix_cache is not None:
-            for request in set(suffix_cache.cached_requests) - set(suffix_cache.active_requests):
-                suffix_cache.evict_cached_response(request)
+        llm.collective_rpc(forget_finished_requests)
 
     def close(self) -> None:
         if self._llm is not None:

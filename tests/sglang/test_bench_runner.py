@@ -91,6 +91,16 @@ def test_eagle3_head_alone_and_sampled_methods(sgl_model):
         greedy.environment("eagle3-sampled")
 
 
+def test_tensor_parallel_size_above_1_is_refused_before_any_engine():
+    from types import SimpleNamespace
+
+    from specplug.sglang_medusa.bench_runner import make_runner
+
+    with pytest.raises(SystemExit, match="--tensor-parallel-size 3: specplug's SGLang algorithms run on one "
+                                         "tensor-parallel rank .*--engine vllm"):
+        make_runner(SimpleNamespace(tensor_parallel_size=3, model=None, head=None))
+
+
 def test_cpu_engine_arguments(sgl_model):
     args = engine_args(str(sgl_model), seed=3, max_batch=4)
     assert args["device"] == "cpu" and args["attention_backend"] == "torch_native"

@@ -304,7 +304,8 @@ def test_bench_runs_stage_tree_as_specplug_tree(target, tree_head, monkeypatch):
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
 
     runner = VllmRunner(str(target), str(tree_head), max_new_tokens=8, temperature=0.0, seed=0, max_batch=1)
-    assert runner.methods()[-12:] == ["specplug", "specplug-fixed", "specplug-tree", "specplug-adaptive",
+    assert runner.methods()[-13:] == ["specplug", "specplug-fixed", "specplug-tree", "specplug-tree-fixed",
+                                      "specplug-adaptive",
                                       "specplug-hybrid", "specplug-hybrid-tree", "specplug-hybrid-skip",
                                       "specplug-hybrid-calibrated", "specplug-sampled", "specplug-hybrid-lengthen",
                                       "specplug-hybrid-gated", "specplug-float-head"]
@@ -315,6 +316,7 @@ def test_bench_runs_stage_tree_as_specplug_tree(target, tree_head, monkeypatch):
     assert float_head["specplug"]["head_weights"] == "float" and float_head["specplug"]["stage"] == "chain"
     for method, stage, tokens, adaptive in (("specplug", "chain", TREE["depth"], False),
                                             ("specplug-tree", "tree", BUDGET, False),
+                                            ("specplug-tree-fixed", "tree", BUDGET, False),
                                             ("specplug-adaptive", "chain", TREE["depth"], True)):
         config = runner.speculative_config(method)
         assert config["num_speculative_tokens"] == tokens
