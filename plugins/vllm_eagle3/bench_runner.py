@@ -241,9 +241,8 @@ class VllmRunner:
 
     def methods(self) -> list[str]:
         specplug = ["eagle3", "specplug", "specplug-fixed", "specplug-tree", "specplug-tree-fixed", "specplug-adaptive",
-                    "specplug-hybrid",
-                    "specplug-hybrid-tree", "specplug-hybrid-skip", "specplug-hybrid-calibrated", "specplug-sampled",
-                    "specplug-hybrid-lengthen", "specplug-hybrid-gated", "specplug-float-head"]
+                    "specplug-hybrid", "specplug-hybrid-tree", "specplug-hybrid-skip", "specplug-hybrid-calibrated",
+                    "specplug-sampled", "specplug-hybrid-lengthen", "specplug-hybrid-gated", "specplug-float-head"]
         drafts = ["draft_model"] + (["specplug-draft-model"] if self.head else []) if self.draft_model else []
         drafts += ["specplug-self-spec"] if self.self_spec_layers and self.head else []
         medusa = ["medusa", "specplug-medusa", "specplug-medusa-tree"] if self.medusa_head else []

@@ -6,8 +6,8 @@ cannot run at tensor_parallel_size 3 (specplug.common.parallel.shard_error refus
 `pad_draft_vocab` adds rows until the padded vocabulary divides: each new draft id stands
 for a target token outside the draft vocabulary (the smallest such ids, one each, so no
 target token is mapped twice) and has an all-zero `lm_head` row, so its draft logit is 0.
-A drafted padding token is verified like any other draft: output stays lossless, and it is
-drafted only where every real token of the head's top-k scores below 0. Attention heads and
+A drafted padding token is verified like any other draft, so output stays lossless; it
+enters the head's top-k only where fewer than k of the head's own tokens score above 0. Attention heads and
 the MLP width cannot be padded without retraining; those are refused with the numbers.
 """
 
