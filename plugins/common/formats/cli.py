@@ -104,7 +104,7 @@ def run(args: argparse.Namespace) -> int:
         with tempfile.TemporaryDirectory(prefix="specplug-convert-") as scratch:
             src = _full_source(args.src, args.target, scratch)
             summary = convert(src, args.dst, args.to, target_config=args.target, overwrite=args.overwrite,
-                              tensor_parallel_size=args.tensor_parallel_size)
+                              tensor_parallel_size=getattr(args, "tensor_parallel_size", 1))
             summary["source"] = str(args.src)
     except ValueError as exc:  # CheckpointError (bad checkpoint) or a bad --to for this head
         if args.json:
