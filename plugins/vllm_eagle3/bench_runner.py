@@ -55,9 +55,10 @@ NO_ARCTIC = ("specplug bench: method 'suffix' needs Arctic Inference (vLLM's Suf
 
 
 def has_arctic_inference() -> bool:
-    import importlib.util
+    """vLLM's own test for the package its `suffix` method needs (SpeculativeConfig refuses without it)."""
+    from vllm.utils.import_utils import has_arctic_inference as installed
 
-    return importlib.util.find_spec("arctic_inference") is not None
+    return installed()
 
 
 # methods whose draft count is not a chain length: no speculation, tree stages, vLLM's Medusa (K = its heads)

@@ -39,7 +39,9 @@ def main() -> None:
     parser.add_argument("--backend", default="mp", help="distributed_executor_backend: mp or ray (default: mp)")
     parser.add_argument("heads", nargs="+", help="'base' or EAGLE-3 head folders, run in this order")
     args = parser.parse_args()
-    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(r % 2) for r in range(args.tp)))
+    from specplug.vllm_eagle3.bench_runner import threads_bind
+
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", threads_bind(args.tp))
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     out = {h: generate(args.target, h, args.tp, args.max_tokens, args.backend) for h in args.heads}
     print(MARKER + json.dumps(out), flush=True)

@@ -39,7 +39,7 @@ def pad_draft_vocab(head: LoadedHead, tp_size: int) -> tuple[LoadedHead, list[st
     new_size = fitting_vocab(size, tp_size)
     state = dict(head.state_dict)
     state["lm_head.weight"] = _padded_rows(_lm_head(head), new_size)
-    state["d2t"] = _padded_d2t(head, new_size)
+    state["d2t"] = _padded_d2t(head, size, new_size)
     if "t2d" in state:  # [vocab] bool: the target ids the draft vocabulary now covers
         state["t2d"] = state["t2d"].clone()
         state["t2d"][torch.arange(new_size) + state["d2t"]] = True
@@ -74,10 +74,9 @@ def _padded_rows(weight: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.cat([weight, weight.new_zeros(rows - weight.shape[0], weight.shape[1])])
 
 
-def _padded_d2t(head: LoadedHead, rows: int) -> torch.Tensor:
-    """d2t [V_draft] -> [rows]: new draft id i maps to the i-th smallest target id that no
+def _padded_d2t(head: LoadedHead, size: int, rows: int) -> torch.Tensor:
+    """d2t [size] -> [rows]: new draft id i maps to the i-th smallest target id that no
     draft id maps to (target id = i + d2t[i])."""
-    size = int(head.config.get("draft_vocab_size") or head.config["vocab_size"])
     vocab = int(head.config["vocab_size"])
     d2t = head.state_dict.get("d2t")
     d2t = torch.zeros(size, dtype=torch.long) if d2t is None else d2t.long()
