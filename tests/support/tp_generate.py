@@ -2,10 +2,12 @@
 multiprocess executor (or Ray's: --backend ray), in a process of their own (the test
 process's uni-executor engines have initialised torch.distributed for one rank already).
 
-python -m tests.support.tp_generate --tp 3 --max-tokens 16 base HEAD_DIR ...
-prints one line MARKER + JSON {"base": {"ids": [[ids], ...], "accepted": 0}, "HEAD_DIR": {...}}: "base"
-runs without speculation, any other name is an EAGLE-3 head (num_speculative_tokens 3); "accepted" counts
-the accepted draft tokens (vLLM's counter).
+python -m tests.support.tp_generate --tp 3 --max-tokens 16 base HEAD_DIR '{"name": ..., ...}' ...
+prints one line MARKER + JSON {NAME: {"ids": [[ids], ...], "drafts": n, "accepted": n}, ...}: "base" runs
+without speculation; a folder is an EAGLE-3 head (num_speculative_tokens 3) named by its path; a JSON
+object is {"name": NAME, "speculative_config": {...}, "env": {VAR: VALUE}, "sampling": {...}} (env set
+while that engine starts and runs, so its ranks inherit it; sampling: SamplingParams fields over greedy, a
+"seed" s gives prompt i the seed s + i). "drafts" and "accepted" are vLLM's counters.
 """
 
 from __future__ import annotations
@@ -13,22 +15,57 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from contextlib import contextmanager
 
 MARKER = "tp_generate: "  # the result line's prefix (vLLM logs to stdout too)
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Write a haiku about the sea.", "1, 2, 3, 4,"]
 
 
-def generate(target: str, head: str, tp: int, max_tokens: int, backend: str = "mp") -> dict:
-    from vllm import LLM, SamplingParams
+def parse_run(text: str) -> dict:
+    """One command-line run: "base", a head folder, or a JSON object (see the module docstring)."""
+    if text.startswith("{"):
+        run = json.loads(text)
+        return {"name": run["name"], "speculative_config": run.get("speculative_config"), "env": run.get("env", {}),
+                "sampling": run.get("sampling", {})}
+    spec = None if text == "base" else {"method": "eagle3", "model": text, "num_speculative_tokens": 3}
+    return {"name": text, "speculative_config": spec, "env": {}, "sampling": {}}
+
+
+def sampling_params(fields: dict, max_tokens: int, num_prompts: int) -> list:
+    """One SamplingParams per prompt: greedy unless `fields` say otherwise; seed s -> s + i."""
+    from vllm import SamplingParams
+
+    seed = fields.get("seed")
+    return [SamplingParams(**{"temperature": 0.0, "max_tokens": max_tokens, **fields,
+                              "seed": None if seed is None else seed + i}) for i in range(num_prompts)]
+
+
+@contextmanager
+def environment(values: dict):
+    """os.environ with `values` set, restored afterwards."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update({k: str(v) for k, v in values.items()})
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+
+
+def generate(target: str, run: dict, tp: int, max_tokens: int, backend: str = "mp", prompts=PROMPTS) -> dict:
+    from vllm import LLM
 
     from specplug.vllm_eagle3.metrics import spec_decode_stats
 
-    spec = None if head == "base" else {"method": "eagle3", "model": head, "num_speculative_tokens": 3}
-    llm = LLM(model=target, tensor_parallel_size=tp, distributed_executor_backend=backend, enforce_eager=True,
-              max_model_len=512, dtype="float32", speculative_config=spec, disable_log_stats=False)
-    outputs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=max_tokens))
-    return {"ids": [list(o.outputs[0].token_ids) for o in outputs],
-            "accepted": spec_decode_stats(llm.get_metrics()).num_accepted_tokens}
+    with environment(run["env"]):
+        llm = LLM(model=target, tensor_parallel_size=tp, distributed_executor_backend=backend, enforce_eager=True,
+                  max_model_len=512, dtype="float32", speculative_config=run["speculative_config"],
+                  disable_log_stats=False)
+        outputs = llm.generate(prompts, sampling_params(run["sampling"], max_tokens, len(prompts)), use_tqdm=False)
+        stats = spec_decode_stats(llm.get_metrics())
+        llm.llm_engine.engine_core.shutdown()
+    return {"ids": [list(o.outputs[0].token_ids) for o in outputs], "drafts": stats.num_draft_tokens,
+            "accepted": stats.num_accepted_tokens}
 
 
 def main() -> None:
@@ -37,13 +74,18 @@ def main() -> None:
     parser.add_argument("--tp", type=int, default=3, help="tensor_parallel_size (default: 3)")
     parser.add_argument("--max-tokens", type=int, default=16, help="tokens per prompt (default: 16)")
     parser.add_argument("--backend", default="mp", help="distributed_executor_backend: mp or ray (default: mp)")
-    parser.add_argument("heads", nargs="+", help="'base' or EAGLE-3 head folders, run in this order")
+    parser.add_argument("--prompts", help="a JSON list of prompts (default: four short ones)")
+    parser.add_argument("runs", nargs="+", help="'base', EAGLE-3 head folders or JSON runs, in this order")
     args = parser.parse_args()
     from specplug.vllm_eagle3.bench_runner import threads_bind
 
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", threads_bind(args.tp))
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    out = {h: generate(args.target, h, args.tp, args.max_tokens, args.backend) for h in args.heads}
+    prompts = json.loads(args.prompts) if args.prompts else PROMPTS
+    out = {}
+    for text in args.runs:
+        run = parse_run(text)
+        out[run["name"]] = generate(args.target, run, args.tp, args.max_tokens, args.backend, prompts)
     print(MARKER + json.dumps(out), flush=True)
 
 

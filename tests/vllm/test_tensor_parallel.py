@@ -118,3 +118,72 @@ def test_the_committed_head_padded_for_tp_3_keeps_greedy_output_and_drafts(tmp_p
     out = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith(MARKER))[len(MARKER):])
     assert out[head]["ids"] == out["base"]["ids"] and sum(map(len, out["base"]["ids"])) >= 32  # a prompt may stop
     assert out[head]["accepted"] > 0
+
+
+def _tp2_runs(target, tmp_path) -> list[dict]:
+    """tests.support.tp_generate runs covering every specplug method on the tiny target (4 query / 2 KV
+    heads, vocabulary 512: all divide by 2), with heads that need no training: random EAGLE-3 heads, the
+    EAGLE-1 echo head (drafts the target's own prediction, so drafts are accepted), fitted Medusa heads.
+    Payoff control is off where a run must draft every step; the last run keeps the defaults."""
+    from specplug.common.draft_model import cut_draft_model
+    from tests.support.tiny_eagle1 import eagle1_head_dir
+    from tests.support.tiny_eagle3 import tiny_head_dir
+    from tests.support.tiny_medusa import vllm_medusa_heads_dir
+
+    draft = cut_draft_model(target, "0", tmp_path / "draft")
+    chain = {"version": 1, "method": "eagle3", "tree": {"topk": 1}}
+    tree = {"stage": "tree", "tree": {"depth": 3, "topk": 2, "budget": 6}}
+    every_step = {"SPECPLUG_PAYOFF": "0"}
+
+    def spec(method, head, k):
+        return {"method": method, "model": str(head), "num_speculative_tokens": k}
+
+    self_spec = {"name": "self_spec", "layers": "0,2", "max_depth": 3, "topk": 2}
+    draft_model = {"name": "draft_model", "model": str(draft), "max_depth": 3, "topk": 2}
+    return [
+        {"name": "eagle3 chain + self_spec", "env": every_step, "speculative_config": spec(
+            "eagle3", tiny_head_dir(target, specplug={**chain, "drafter": self_spec}), 3)},
+        {"name": "eagle1 tree + draft_model", "env": every_step, "speculative_config": spec(
+            "eagle", eagle1_head_dir(target, echo=True, specplug={
+                "version": 1, "method": "eagle1", **tree, "drafter": draft_model}), 6)},
+        {"name": "medusa tree", "env": every_step, "speculative_config": spec(
+            "medusa", vllm_medusa_heads_dir(target, specplug={"version": 1, "method": "medusa", **tree,
+                                                             "tree": {"depth": 3, "topk": 2, "budget": 7}}), 7)},
+        {"name": "eagle3 adaptive + retrieval", "speculative_config": spec(
+            "eagle3", tiny_head_dir(target, specplug={**chain, "tree": {"topk": 4}, "adaptive": True,
+                                                      "retrieval": True}), 4)},
+        {"name": "eagle1 chain sampled", "sampling": {"temperature": 0.8, "seed": 7, "ignore_eos": True},
+         "speculative_config": spec("eagle", eagle1_head_dir(
+             target, echo=True, specplug={"version": 1, "method": "eagle1", "tree": {"topk": 2}}), 3)},
+    ]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_every_method_at_tp_2_keeps_greedy_output_and_ranks_in_step(tmp_path):
+    """tensor_parallel_size 2 (multiprocess executor, ranks bound to cores 0|1) with the rank check on,
+    one engine per run of _tp2_runs: stage chain with the self_spec drafter (the target's own sharded
+    layers), stage tree with an EAGLE-1 head and the draft_model drafter, Medusa's tree, adaptive speculation
+    with retrieval: each greedy output equals TP 2 without speculation, each drafted; the echo head's drafts
+    are accepted. Seeded sampled requests (T 0.8) with payoff control on run with ranks in step (a rank that
+    sampled another token would draft from other tokens and fail the check)."""
+    import subprocess
+    import sys
+
+    from tests.support.tiny_eagle3 import tiny_target_dir
+    from tests.support.tp_generate import MARKER
+
+    target = tiny_target_dir()
+    runs = _tp2_runs(target, tmp_path)
+    env = {**os.environ, "SPECPLUG_CHECK_RANKS": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    proc = subprocess.run([sys.executable, "-m", "tests.support.tp_generate", "--target", str(target), "--tp", "2",
+                           "--max-tokens", "24", "base", *map(json.dumps, runs)],
+                          capture_output=True, text=True, timeout=840, env=env, cwd=ROOT)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    out = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith(MARKER))[len(MARKER):])
+    base = out.pop("base")["ids"]
+    sampled = out.pop("eagle1 chain sampled")
+    for name, result in out.items():
+        assert result["ids"] == base and result["drafts"] > 0, name
+    assert out["eagle1 tree + draft_model"]["accepted"] > 0
+    assert sampled["drafts"] > 0 and sampled["ids"] != base and all(len(ids) == 24 for ids in sampled["ids"])
