@@ -115,10 +115,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "trust on a shared or throttling machine; needs memory for one engine per "
                              "method); 0 = one method after another")
     parser.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
-                        help="vLLM: shard the target (and head) over N ranks with the multiprocess executor; on a "
-                             "CPU each rank is bound to a core round robin unless VLLM_CPU_OMP_THREADS_BIND is set. "
-                             "A head whose draft vocabulary does not shard: specplug convert HEAD NEW --to eagle3 "
-                             "--tensor-parallel-size N. SGLang: specplug's algorithms run on one rank")
+                        help="shard the target over N ranks (vLLM: the multiprocess executor, the head sharded too; "
+                             "a head whose draft vocabulary does not shard: specplug convert HEAD NEW --to eagle3 "
+                             "--tensor-parallel-size N. SGLang: --tp-size N, specplug's heads replicated). On a CPU "
+                             "each rank is bound to a core round robin unless VLLM_CPU_OMP_THREADS_BIND / "
+                             "SGLANG_CPU_OMP_THREADS_BIND is set")
     parser.add_argument("--adaptive", action="store_true",
                         help="turn on adaptive (batch-aware) speculation for specplug methods")
     parser.add_argument("--out", default="bench-results", help="folder for the JSON and PNG")

@@ -224,3 +224,11 @@ ALONE = RankGroup()  # decide locally: the default of every policy object
 def engine_group(group: Any) -> RankGroup:
     """The RankGroup of an engine's tensor-parallel process group."""
     return RankGroup(group, alone=False)
+
+
+def threads_bind(tp_size: int, cores: int | None = None) -> str:
+    """The engines' CPU thread binding (vLLM's VLLM_CPU_OMP_THREADS_BIND, SGLang's
+    SGLANG_CPU_OMP_THREADS_BIND) for `tp_size` ranks on this host's cores, one core per
+    rank round robin ("0|1|0": 3 ranks on 2 cores)."""
+    cores = cores or os.cpu_count() or 1
+    return "|".join(str(rank % cores) for rank in range(tp_size))

@@ -124,10 +124,36 @@ def vocab_size(model_runner) -> int:
 
 
 def embedding_weight(model_runner) -> torch.Tensor:
-    """The target's input embedding [vocab, H] (shared, never copied)."""
-    return model_runner.model.model.embed_tokens.weight
+    """The target's input embedding [vocab', H] (vocab' >= vocab: SGLang pads it): shared,
+    never copied, on one rank; under tensor parallelism the ranks' vocabulary shards
+    gathered once into a whole copy on every rank (whole_vocab)."""
+    return whole_vocab(model_runner, "embed_tokens", model_runner.model.model.embed_tokens.weight)
 
 
 def lm_head_weight(model_runner) -> torch.Tensor:
-    """The target's LM head [vocab, H] (shared, never copied)."""
-    return model_runner.model.lm_head.weight
+    """The target's LM head [vocab', H], as embedding_weight."""
+    return whole_vocab(model_runner, "lm_head", model_runner.model.lm_head.weight)
+
+
+def whole_vocab(model_runner, name: str, shard: torch.Tensor) -> torch.Tensor:
+    """`shard` itself on one tensor-parallel rank; on several, every rank's vocabulary
+    shard ([vocab' / tp, H], SGLang's vocab-parallel layout: rank r holds rows r*vocab'/tp
+    onwards) all-gathered into [vocab', H] once and kept on the model runner. A collective:
+    every rank calls it for the same names, in the same order (the workers' start-up)."""
+    from sglang.srt.distributed.parallel_state import get_tp_group, model_parallel_is_initialized
+
+    if not model_parallel_is_initialized() or get_tp_group().world_size == 1:
+        return shard
+    kept = model_runner.__dict__.setdefault("_specplug_whole_vocab", {})
+    if name not in kept:
+        kept[name] = get_tp_group().all_gather(shard.detach().contiguous(), dim=0)
+    return kept[name]
+
+
+def tp_all_reduce():
+    """SGLang's all-reduce over the tensor-parallel ranks, or None with one rank."""
+    from sglang.srt.distributed.parallel_state import get_tp_group, model_parallel_is_initialized
+
+    if not model_parallel_is_initialized() or get_tp_group().world_size == 1:
+        return None
+    return get_tp_group().all_reduce

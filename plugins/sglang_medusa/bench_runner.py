@@ -30,6 +30,7 @@ import time
 
 from specplug.bench import RunResult
 from specplug.common.head_section import ENV_PAYOFF
+from specplug.common.parallel import threads_bind
 from specplug.common.retrieval.config import ENV_RETRIEVAL
 from specplug.common.token_drafters import ENV_DRAFTER
 from specplug.sglang_medusa.settings import DRAFT_TEMPERATURE_ENV
@@ -64,10 +65,6 @@ TYPICAL = {"speculative_accept_threshold_single": 0.09, "speculative_accept_thre
 def make_runner(args):
     from specplug.common import testbed
 
-    if getattr(args, "tensor_parallel_size", 1) > 1:
-        raise SystemExit(f"specplug bench: --tensor-parallel-size {args.tensor_parallel_size}: specplug's SGLang "
-                         "algorithms run on one tensor-parallel rank (docs/tensor_parallel.md); measure tensor "
-                         "parallelism with --engine vllm")
     model = args.model or str(testbed.target_dir())
     given = args.head
     eagle3 = given is not None and is_eagle3_head(given)
@@ -76,6 +73,7 @@ def make_runner(args):
                         max_batch=max(int(b) for b in args.batch_sizes.split(",") if b),
                         adaptive=getattr(args, "adaptive", False), draft_model=getattr(args, "draft_model", None),
                         self_spec_layers=getattr(args, "self_spec_layers", None),
+                        tp_size=getattr(args, "tensor_parallel_size", 1),
                         eagle3_head=given if eagle3 else (None if given else default_head("smollm2-eagle3")))
 
 
@@ -104,11 +102,12 @@ CPU_ENGINE_ARGS = dict(device="cpu", dtype="float32", attention_backend="torch_n
                        sleep_on_idle=True)  # an idle scheduler would spin one of the CPU's cores
 
 
-def engine_args(model: str, seed: int, max_batch: int) -> dict:
+def engine_args(model: str, seed: int, max_batch: int, tp_size: int = 1) -> dict:
     """sglang.Engine arguments: SGLang's CPU settings when no CUDA device is present."""
     import torch
 
-    args = dict(model_path=model, random_seed=seed, max_running_requests=max_batch, log_level="error")
+    args = dict(model_path=model, random_seed=seed, max_running_requests=max_batch, log_level="error",
+                tp_size=tp_size)
     if not torch.cuda.is_available():
         args.update(CPU_ENGINE_ARGS, max_total_tokens=65536)
     return args
@@ -119,7 +118,7 @@ class SglangRunner:
 
     def __init__(self, model: str, head: str | None, *, max_new_tokens: int, temperature: float,
                  seed: int, max_batch: int, adaptive: bool = False, draft_model: str | None = None,
-                 eagle3_head: str | None = None, self_spec_layers: str | None = None):
+                 eagle3_head: str | None = None, self_spec_layers: str | None = None, tp_size: int = 1):
         import sglang
         from transformers import AutoTokenizer
 
@@ -127,7 +126,7 @@ class SglangRunner:
         self.model, self.head = model, head
         self.max_new_tokens, self.temperature, self.seed, self.max_batch = max_new_tokens, temperature, seed, max_batch
         self.adaptive, self.draft_model, self.eagle3_head = adaptive, draft_model, eagle3_head
-        self.self_spec_layers = self_spec_layers
+        self.self_spec_layers, self.tp_size = self_spec_layers, tp_size
         self.tokenizer = AutoTokenizer.from_pretrained(model)
         self._method, self._engine = None, None
 
@@ -193,12 +192,21 @@ class SglangRunner:
             self.close()
             import sglang
 
-            with _environment(self.environment(method)):
-                self._engine = sglang.Engine(**engine_args(self.model, self.seed, self.max_batch),
+            with _environment({**self._threads_bind(), **self.environment(method)}):
+                self._engine = sglang.Engine(**engine_args(self.model, self.seed, self.max_batch, self.tp_size),
                                              **self.speculative_args(method))
             self._method = method
             self._engine.generate(["warm up"], {"max_new_tokens": 8, "ignore_eos": True})
         return self._engine
+
+    def _threads_bind(self) -> dict[str, str]:
+        """Several ranks on a CPU: each bound to one core, round robin, unless the user set
+        SGLANG_CPU_OMP_THREADS_BIND."""
+        import torch
+
+        if self.tp_size == 1 or torch.cuda.is_available() or "SGLANG_CPU_OMP_THREADS_BIND" in os.environ:
+            return {}
+        return {"SGLANG_CPU_OMP_THREADS_BIND": threads_bind(self.tp_size)}
 
     def run(self, method: str, prompts, batch_size: int, fresh: bool = True) -> RunResult:
         engine = self._engine_for(method)

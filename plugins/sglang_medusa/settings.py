@@ -146,7 +146,6 @@ def settings_from_server_args(cfg, adaptive_arg: bool = False, environ=None) -> 
     adaptive_arg: --speculative-adaptive as the user gave it (SGLang resolves it to False
     for MEDUSA, so the caller passes the raw value)."""
     environ = os.environ if environ is None else environ
-    check_one_rank(cfg, "MEDUSA")
     if not cfg.speculative_draft_model_path:
         _fail("--speculative-draft-model-path", "the Medusa heads directory", None,
               "pass --speculative-draft-model-path MEDUSA_HEADS_DIR")
@@ -200,7 +199,6 @@ def token_settings_from_server_args(name: str, cfg, environ=None) -> TokenDrafte
     ValueError names the argument and the fix."""
     environ = os.environ if environ is None else environ
     algorithm = name.upper()
-    check_one_rank(cfg, algorithm)
     fields = {**(_retrieval_fields(environ) if name == "retrieval" else {}), **_drafter_fields(name, environ)}
     if cfg.speculative_num_draft_tokens is not None:
         fields["budget"] = _positive("--speculative-num-draft-tokens minus one", cfg.speculative_num_draft_tokens - 1,
@@ -267,27 +265,12 @@ def eagle3_settings_from_server_args(cfg, environ=None) -> Eagle3Settings:
     "tree", else TreeConfig's defaults; hybrid drafting, sampled drafts and quantized head
     weights from the environment, else the section. ValueError names the argument and the fix."""
     environ = os.environ if environ is None else environ
-    check_one_rank(cfg, EAGLE3)
     path = cfg.speculative_draft_model_path
     if not path or not (Path(path) / "config.json").is_file():
         _fail("--speculative-draft-model-path", "an EAGLE-3 head directory (config.json + safetensors)", path,
               "train one with `specplug train eagle3` or convert one with `specplug convert`", EAGLE3)
     s = parse_section(read_section(path), environ, EAGLE3, arguments=tree_arguments(cfg)).settings
     return Eagle3Settings(str(path), s.tree, s.drafter, s.draft_temperature, s.head_weights)
-
-
-def check_one_rank(cfg, algorithm: str) -> None:
-    """ValueError for --tp-size > 1. specplug's SGLang drafters are not rank-safe: they read
-    the target's embedding and LM head weights as whole matrices, which tensor parallelism
-    splits into vocabulary shards, and take decisions from rank-local measurements
-    (specplug.common.parallel states the rule they would have to follow)."""
-    tp_size = getattr(cfg, "tp_size", 1) or 1
-    if tp_size > 1:
-        raise ValueError(
-            f"{algorithm}: specplug's SGLang algorithms run on one tensor-parallel rank, got --tp-size {tp_size} "
-            "(each rank would hold a vocabulary shard of the target's embedding and LM head, which specplug's "
-            "drafters read whole): run with --tp-size 1, or serve the head in vLLM with tensor_parallel_size "
-            f"{tp_size} where its dimensions divide (docs/tensor_parallel.md)")
 
 
 def _positive(arg: str, value, algorithm: str = "MEDUSA") -> int:

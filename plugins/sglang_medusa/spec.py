@@ -89,8 +89,10 @@ def _check_backend(cfg, algorithm: str = NAME) -> None:
     if cfg.device is not None:  # auto-detected later: the worker checks the resolved device (tree_worker)
         check_attention_backends(cfg.device, server_attention_backends(cfg), algorithm)
     if cfg.enable_dp_attention or (cfg.pp_size or 1) > 1:
-        raise ValueError(f"{algorithm} does not support data-parallel attention or pipeline parallelism: "
-                         "drop --enable-dp-attention / --pp-size")
+        raise ValueError(f"{algorithm} does not support data-parallel attention or pipeline parallelism (the "
+                         "drafters read the target's hidden states and logits whole, which pipeline stages hold "
+                         "apart and attention ranks split by request): drop --enable-dp-attention / --pp-size and "
+                         "shard with --tp-size (docs/tensor_parallel.md)")
 
 
 def _check_heads_against_target(heads_path: str, model_path: str) -> None:

@@ -80,10 +80,12 @@ def synced_drafter(choice, cfg, model_runner) -> SyncedTokenDrafter:
 
 def engine_target(model_runner) -> EngineTarget:
     """SGLang's loaded target as drafting.engine_layers sees it; logits from its LM head
-    weight (SGLang's LogitsProcessor needs a ForwardBatch)."""
-    return EngineTarget(view.target_model(model_runner),
-                        lambda hidden: F.linear(hidden, view.lm_head_weight(model_runner)),
-                        view.target_config(model_runner))
+    weight (SGLang's LogitsProcessor needs a ForwardBatch; under tensor parallelism the
+    whole weight, batch_view.whole_vocab), and SGLang's all-reduce for the row-parallel
+    layers it reduces at its layer boundaries."""
+    weight = view.lm_head_weight(model_runner)
+    return EngineTarget(view.target_model(model_runner), lambda hidden: F.linear(hidden, weight),
+                        view.target_config(model_runner), view.tp_all_reduce())
 
 
 class TokenDrafterWorker(TreeVerifyWorker):

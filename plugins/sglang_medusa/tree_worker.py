@@ -51,6 +51,7 @@ from specplug.common.tree import DraftTree, TreeBatch, ancestor_mask, pad_batch,
 from specplug.common.verify_result import VerifyResult
 from specplug.common.verify_step import verify_step
 from specplug.sglang_medusa import batch_view as view
+from specplug.sglang_medusa.ranks import tp_ranks
 from specplug.sglang_medusa.request_rules import rules_of
 from specplug.sglang_medusa.spec import check_attention_backends, prefix_masks_needed, server_attention_backends
 
@@ -124,7 +125,10 @@ class TreeVerifyWorker(BaseSpecWorker):
         self.num_nodes = num_nodes
         self.prefix_masks = self._check_attention(server_args)
         self.stats = AcceptanceStats()  # this worker's verify steps, all requests
+        # the same seed on every TP rank, drawn from in the same order: the same uniforms on every rank
         self.generator = torch.Generator(device="cpu").manual_seed(int(server_args.random_seed or 0))
+        self.ranks = tp_ranks()  # rank-local measurements are decided on rank 0 and broadcast (common.parallel)
+        self.steps = 0  # decode steps, the rank check's step number
         self._unseeded_first_token_reasons: set[str] = set()
 
     @property
@@ -169,7 +173,7 @@ class TreeVerifyWorker(BaseSpecWorker):
         on unless SPECPLUG_PAYOFF=0."""
         if not head_section.flag({}, "payoff", os.environ, head_section.ENV_PAYOFF, "payoff control", default=True):
             return
-        self.payoff = CycleClock(PayoffControl(depth, arms=(depth,)))
+        self.payoff = CycleClock(PayoffControl(depth, arms=(depth,), ranks=self.ranks))
         logger.info("specplug payoff control on: each decode step verifies the drafted trees or the roots alone, "
                     "whichever has delivered more tokens per second at its batch size (SPECPLUG_PAYOFF=0 turns it off)")
 
@@ -286,6 +290,8 @@ class TreeVerifyWorker(BaseSpecWorker):
         seconds = self._elapsed(started) if self.times_verify else None
         logits_output = result.logits_output
         verdict = self._accept(batch, tree, logits_output.next_token_logits)
+        self.steps += 1  # SPECPLUG_CHECK_RANKS=1: every TP rank drafted and accepted the same
+        self.ranks.check(self.steps, (tree.candidates, tree.parents, verdict.accepted_nodes, verdict.bonus_token))
         self._verified(tree, verdict, seconds)
         if self.payoff is not None:  # a request whose tree is shallower than the step's depth counts as rejected there
             self.payoff.verified([self.payoff.depth] * len(verdict.num_accepted), verdict.num_accepted.tolist())

@@ -105,7 +105,7 @@ class MedusaWorker(TreeVerifyWorker):
         for config in budget_configs(self.settings):
             template = self.drafter.template(config)
             self._budgets[tree_option(template, accuracies)] = (config, tree_layout(template, self.device))
-        self.adaptive = AdaptiveController(list(self._budgets))
+        self.adaptive = AdaptiveController(list(self._budgets), ranks=self.ranks)
         self.times_verify = True
         self.adaptive.costs_override = pinned_costs(os.environ)
         logger.info("MEDUSA adaptive speculation on: each step verifies one of the trees with %s draft nodes, "

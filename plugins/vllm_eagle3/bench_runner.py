@@ -44,6 +44,7 @@ import time
 from pathlib import Path
 
 from specplug.bench import RunResult
+from specplug.common.parallel import threads_bind
 from specplug.vllm_eagle3.metrics import spec_decode_stats
 
 NGRAM_CONFIG = {"method": "ngram", "num_speculative_tokens": 4,
@@ -139,13 +140,6 @@ def forget_finished_requests(worker) -> None:
     if suffix_cache is not None:
         for request in set(suffix_cache.cached_requests) - set(suffix_cache.active_requests):
             suffix_cache.evict_cached_response(request)
-
-
-def threads_bind(tp_size: int, cores: int | None = None) -> str:
-    """VLLM_CPU_OMP_THREADS_BIND for `tp_size` ranks on this host's cores, one core per
-    rank round robin ("0|1|0": 3 ranks on 2 cores)."""
-    cores = cores or os.cpu_count() or 1
-    return "|".join(str(rank % cores) for rank in range(tp_size))
 
 
 def strip_specplug_section(head: str) -> str:

@@ -197,3 +197,19 @@ def test_self_spec_settings_are_checked_and_it_waits_for_the_engine():
     drafter = token_drafters.build(choice("self_spec", {"layers": 2}), vocab_size=1000)
     with pytest.raises(RuntimeError, match="bind_target"):
         drafter.draft(["r"])
+
+
+def test_self_spec_sums_a_row_parallel_output_only_where_the_engine_left_it_unreduced():
+    """EngineLayerSkip under tensor parallelism: a row-parallel layer built with reduce_results
+    False (SGLang reduces at its layer boundaries) is summed with the engine's all_reduce; one
+    that reduces itself (vLLM), or a target without an all_reduce (one rank), is left alone."""
+    from types import SimpleNamespace
+
+    from specplug.common.drafting.engine_layers import EngineLayerSkip
+
+    x = torch.ones(2, 3)
+    summed = SimpleNamespace(all_reduce=lambda t: 2 * t)
+    assert torch.equal(EngineLayerSkip._reduced(summed, SimpleNamespace(reduce_results=False), x), 2 * x)
+    for layer in (SimpleNamespace(reduce_results=True), SimpleNamespace(), None):
+        assert EngineLayerSkip._reduced(summed, layer, x) is x
+    assert EngineLayerSkip._reduced(SimpleNamespace(all_reduce=None), SimpleNamespace(reduce_results=False), x) is x

@@ -193,3 +193,9 @@ def test_the_digest_sees_every_decision():
     for other in ({**base, "depth": 2}, {**base, "tokens": torch.arange(4).int()}, {**base, "keep": [True, True]},
                   {**base, "tokens": torch.arange(5)}):
         assert parallel.decisions_digest(other) != parallel.decisions_digest(base)
+
+
+def test_tensor_parallel_ranks_are_bound_to_cores_round_robin():
+    from specplug.common.parallel import threads_bind
+
+    assert threads_bind(3, cores=2) == "0|1|0" and threads_bind(2, cores=8) == "0|1" and threads_bind(1, 4) == "0"

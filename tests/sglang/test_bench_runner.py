@@ -91,14 +91,13 @@ def test_eagle3_head_alone_and_sampled_methods(sgl_model):
         greedy.environment("eagle3-sampled")
 
 
-def test_tensor_parallel_size_above_1_is_refused_before_any_engine():
-    from types import SimpleNamespace
-
-    from specplug.sglang_medusa.bench_runner import make_runner
-
-    with pytest.raises(SystemExit, match="--tensor-parallel-size 3: specplug's SGLang algorithms run on one "
-                                         "tensor-parallel rank .*--engine vllm"):
-        make_runner(SimpleNamespace(tensor_parallel_size=3, model=None, head=None))
+def test_tensor_parallel_size_reaches_the_engine_and_binds_ranks_to_cores(sgl_model, monkeypatch):
+    monkeypatch.delenv("SGLANG_CPU_OMP_THREADS_BIND", raising=False)
+    runner = SglangRunner(str(sgl_model), None, max_new_tokens=8, temperature=0.0, seed=0, max_batch=4, tp_size=2)
+    assert engine_args(str(sgl_model), seed=0, max_batch=4, tp_size=2)["tp_size"] == 2
+    assert runner._threads_bind() == {"SGLANG_CPU_OMP_THREADS_BIND": "0|1"}
+    monkeypatch.setenv("SGLANG_CPU_OMP_THREADS_BIND", "1|0")  # the user's binding wins
+    assert runner._threads_bind() == {}
 
 
 def test_cpu_engine_arguments(sgl_model):

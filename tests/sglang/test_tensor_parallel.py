@@ -1,50 +1,95 @@
-"""--tp-size > 1 is refused for every specplug SGLang algorithm before any model loads
-(settings.check_one_rank): specplug's drafters read the target's embedding and LM head
-whole, which tensor parallelism splits into vocabulary shards."""
+"""specplug's SGLang algorithms at --tp-size 2 (the scheduler on every rank drafts and
+verifies; the heads specplug loads are replicated, the target's embedding and LM head are
+gathered whole once, rank-local measurements are decided on rank 0): greedy output equals
+SGLang at --tp-size 2 without speculation, with the rank check on. Pipeline stages and
+data-parallel attention are refused before any model loads (spec.py)."""
 
 from __future__ import annotations
 
+import json
+import os
 from types import SimpleNamespace
 
 import pytest
 
-from specplug.sglang_medusa.settings import (
-    check_one_rank, eagle3_settings_from_server_args, settings_from_server_args, token_settings_from_server_args,
-)
-from tests.sglang.conftest import ENGINE_ARGS
+from specplug.sglang_medusa import spec
+from tests.sglang.conftest import ROOT
 
-REFUSAL = ("{algorithm}: specplug's SGLang algorithms run on one tensor-parallel rank, got --tp-size 3 (each rank "
-           "would hold a vocabulary shard of the target's embedding and LM head, which specplug's drafters read "
-           "whole): run with --tp-size 1")
-ARGS = dict(speculative_draft_model_path=None, speculative_num_steps=None, speculative_eagle_topk=None,
-            speculative_num_draft_tokens=None, speculative_accept_threshold_single=1.0,
-            speculative_accept_threshold_acc=1.0)
+SERVER = dict(device="cpu", attention_backend="torch_native", prefill_attention_backend=None,
+              decode_attention_backend=None, enable_dp_attention=False, pp_size=1)
 
 
-@pytest.mark.parametrize("algorithm, settings", [
-    ("MEDUSA", lambda cfg: settings_from_server_args(cfg)),
-    ("SPECPLUG_EAGLE3", lambda cfg: eagle3_settings_from_server_args(cfg, {})),
-    ("RETRIEVAL", lambda cfg: token_settings_from_server_args("retrieval", cfg, {})),
-    ("DRAFT_MODEL", lambda cfg: token_settings_from_server_args("draft_model", cfg, {})),
-    ("SELF_SPEC", lambda cfg: token_settings_from_server_args("self_spec", cfg, {})),
-])
-def test_every_algorithm_refuses_tp_above_1_first(algorithm, settings):
-    with pytest.raises(ValueError) as error:
-        settings(SimpleNamespace(**ARGS, tp_size=3))  # refused before the (missing) heads are looked at
-    assert str(error.value).startswith(REFUSAL.format(algorithm=algorithm))
+@pytest.mark.parametrize("algorithm", ["MEDUSA", "SPECPLUG_EAGLE3", "RETRIEVAL", "DRAFT_MODEL", "SELF_SPEC"])
+def test_pipeline_stages_and_dp_attention_are_refused_tensor_parallelism_is_not(algorithm):
+    for layout in ({"pp_size": 2}, {"enable_dp_attention": True}):
+        with pytest.raises(ValueError, match=f"^{algorithm} does not support data-parallel attention or pipeline "
+                                             "parallelism .* shard with --tp-size"):
+            spec._check_backend(SimpleNamespace(**{**SERVER, **layout}), algorithm)
+    spec._check_backend(SimpleNamespace(**SERVER, tp_size=3), algorithm)
 
 
-def test_one_rank_passes():
-    for cfg in (SimpleNamespace(tp_size=1), SimpleNamespace(tp_size=None), SimpleNamespace()):
-        check_one_rank(cfg, "MEDUSA")
+def _runs(model, tmp_path) -> list[dict]:
+    """tests.support.sglang_tp_generate runs covering every specplug algorithm on the tiny Llama (4 query /
+    2 KV heads, vocabulary 512: SGLang shards it over 2 ranks), with heads that need no training. Payoff
+    control (which the suite turns off) is on in the last run only."""
+    from specplug.common.draft_model import cut_draft_model
+    from tests.support.tiny_eagle1 import eagle1_head_dir
+    from tests.support.tiny_eagle3 import tiny_head_dir
+    from tests.support.tiny_medusa import medusa_heads_dir
+
+    every_step = {"SPECPLUG_PAYOFF": "0"}
+    medusa = medusa_heads_dir(model, tmp_path / "medusa", fit_steps=60)
+    draft = cut_draft_model(model, "0", tmp_path / "draft")
+    eagle3 = tiny_head_dir(model, specplug={"version": 1, "method": "eagle3", "drafter": "retrieval",
+                                            "tree": {"depth": 3, "topk": 2, "budget": 6}})
+    eagle1 = eagle1_head_dir(model, echo=True, specplug={"version": 1, "method": "eagle1",
+                                                         "tree": {"depth": 4, "topk": 2, "budget": 8}})
+
+    def head(algorithm, path, **args):
+        return {"speculative_algorithm": algorithm, "speculative_draft_model_path": str(path), **args}
+
+    return [
+        {"name": "base"},
+        {"name": "RETRIEVAL", "env": every_step, "engine_args": {"speculative_algorithm": "RETRIEVAL"}},
+        {"name": "MEDUSA adaptive", "engine_args": head("MEDUSA", medusa, speculative_adaptive=True)},
+        {"name": "SPECPLUG_EAGLE3 + retrieval", "env": every_step,
+         "engine_args": head("SPECPLUG_EAGLE3", eagle3, speculative_num_draft_tokens=7)},
+        {"name": "SPECPLUG_EAGLE3 EAGLE-1", "env": every_step,
+         "engine_args": head("SPECPLUG_EAGLE3", eagle1, speculative_num_draft_tokens=9)},
+        {"name": "SELF_SPEC", "env": every_step, "engine_args": {"speculative_algorithm": "SELF_SPEC"}},
+        {"name": "DRAFT_MODEL sampled", "env": {"SPECPLUG_DRAFTER": json.dumps({"model": str(draft), "topk": 2}),
+                                                "SPECPLUG_PAYOFF": "1"},
+         "sampling": {"temperature": 0.8, "seed": 7, "ignore_eos": True},
+         "engine_args": {"speculative_algorithm": "DRAFT_MODEL", "speculative_num_draft_tokens": 5,
+                         "speculative_num_steps": 3}},
+    ]
 
 
-@pytest.mark.timeout(300)
-def test_engine_refuses_tp_3_before_model_load(sgl_model, medusa_heads):
-    import sglang
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_every_algorithm_at_tp_2_keeps_greedy_output_and_ranks_in_step(sgl_model, tmp_path):
+    """--tp-size 2 (ranks bound to cores 0|1), SPECPLUG_CHECK_RANKS=1, one engine per run of _runs:
+    RETRIEVAL, MEDUSA with adaptive speculation (decided on rank 0), SPECPLUG_EAGLE3 with an EAGLE-3 head
+    merged with retrieval (the gathered embedding) and with the EAGLE-1 echo head (the gathered LM head: it
+    drafts the target's own prediction, so its drafts are accepted), SELF_SPEC (the target's sharded layers,
+    reduced where SGLang leaves the reduction to its layer boundaries): each greedy output equals SGLang at
+    --tp-size 2 without speculation. DRAFT_MODEL with payoff control on and seeded requests at T 0.8 runs
+    with ranks in step (a rank that drew another token would draft from other tokens and fail the check)."""
+    import subprocess
+    import sys
 
-    for algorithm, head in (("MEDUSA", medusa_heads), ("RETRIEVAL", None)):
-        kwargs = {**ENGINE_ARGS, "speculative_algorithm": algorithm, "tp_size": 3,
-                  **({"speculative_draft_model_path": str(head)} if head else {})}
-        with pytest.raises(ValueError, match="got --tp-size 3 .*run with --tp-size 1"):
-            sglang.Engine(model_path=str(sgl_model), **kwargs)
+    from tests.support.sglang_tp_generate import MARKER
+
+    runs = _runs(sgl_model, tmp_path)
+    env = {**os.environ, "SPECPLUG_CHECK_RANKS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "tests.support.sglang_tp_generate", "--model", str(sgl_model),
+                           "--tp", "2", "--max-tokens", "24", *map(json.dumps, runs)],
+                          capture_output=True, text=True, timeout=840, env=env, cwd=ROOT)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    out = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith(MARKER))[len(MARKER):])
+    base = out.pop("base")["ids"]
+    sampled = out.pop("DRAFT_MODEL sampled")
+    for name, result in out.items():
+        assert result["ids"] == base, name
+    assert out["RETRIEVAL"]["accepted"] > 0 and out["SPECPLUG_EAGLE3 EAGLE-1"]["accepted"] > 0
+    assert sampled["ids"] != base and all(len(ids) == 24 for ids in sampled["ids"])

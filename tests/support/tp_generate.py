@@ -77,7 +77,7 @@ def main() -> None:
     parser.add_argument("--prompts", help="a JSON list of prompts (default: four short ones)")
     parser.add_argument("runs", nargs="+", help="'base', EAGLE-3 head folders or JSON runs, in this order")
     args = parser.parse_args()
-    from specplug.vllm_eagle3.bench_runner import threads_bind
+    from specplug.common.parallel import threads_bind
 
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", threads_bind(args.tp))
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")

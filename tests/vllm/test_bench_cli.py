@@ -105,9 +105,3 @@ def test_suffix_without_arctic_inference_is_refused_with_the_build_command(tiny_
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert done.returncode != 0 and "scripts/arctic_suffix.sh" in done.stderr
     assert not (tmp_path / "bench.json").exists()
-
-
-def test_tensor_parallel_ranks_are_bound_to_cores_round_robin():
-    from specplug.vllm_eagle3.bench_runner import threads_bind
-
-    assert threads_bind(3, cores=2) == "0|1|0" and threads_bind(2, cores=8) == "0|1" and threads_bind(1, 4) == "0"

@@ -32,6 +32,10 @@ class EngineTarget(NamedTuple):
     model: nn.Module  # the engine's Llama-style causal LM (.model.embed_tokens, .model.layers, .model.norm)
     logits: Callable[[torch.Tensor], torch.Tensor]  # final-norm output [T, H] -> logits [T, vocab]
     config: object  # the target's Hugging Face config
+    # sums a row-parallel layer's partial output over the tensor-parallel ranks, for layers the
+    # engine builds without their own reduction (`reduce_results` False: SGLang reduces at its
+    # layer boundaries); None: one rank, or every layer reduces itself
+    all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
 
 
 class _Output(NamedTuple):
@@ -55,6 +59,7 @@ class EngineLayerSkip(nn.Module):
         self.heads, self.kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
         self.cache_config = cut_config(target.config, layers)
         self.dtype = self.embed.weight.dtype  # the embedding is never packed
+        self.all_reduce = target.all_reduce
 
     def forward(self, input_ids: torch.Tensor, past_key_values=None, use_cache: bool = True,
                 position_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None) -> _Output:
@@ -69,7 +74,7 @@ class EngineLayerSkip(nn.Module):
             hidden, residual = _norm(layer.input_layernorm, hidden, residual)
             hidden = self._attention(layer.self_attn, hidden, positions, mask, past_key_values, j)
             hidden, residual = layer.post_attention_layernorm(hidden, residual)
-            hidden = layer.mlp(hidden)
+            hidden = self._reduced(getattr(layer.mlp, "down_proj", None), layer.mlp(hidden))
         hidden, _ = self.norm(hidden, residual)
         return _Output(self.logits(hidden)[None])
 
@@ -87,7 +92,14 @@ class EngineLayerSkip(nn.Module):
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.to(q.dtype)[None, None], scale=attn.scaling,
                                              enable_gqa=self.heads != self.kv_heads)
         out, _ = attn.o_proj(out.transpose(1, 2).reshape(t, self.heads * self.head_dim))
-        return out
+        return self._reduced(attn.o_proj, out)
+
+    def _reduced(self, row_parallel: nn.Module, out: torch.Tensor) -> torch.Tensor:
+        """`out` of a row-parallel layer summed over the ranks where the layer leaves it to
+        its caller (reduce_results False); as it is otherwise."""
+        if self.all_reduce is None or getattr(row_parallel, "reduce_results", True):
+            return out
+        return self.all_reduce(out)
 
 
 def _norm(norm, hidden, residual):
