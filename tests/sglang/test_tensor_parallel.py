@@ -13,7 +13,6 @@ from types import SimpleNamespace
 import pytest
 
 from specplug.sglang_medusa import spec
-from tests.sglang.conftest import ROOT
 
 SERVER = dict(device="cpu", attention_backend="torch_native", prefill_attention_backend=None,
               decode_attention_backend=None, enable_dp_attention=False, pp_size=1)
@@ -75,18 +74,12 @@ def test_every_algorithm_at_tp_2_keeps_greedy_output_and_ranks_in_step(sgl_model
     reduced where SGLang leaves the reduction to its layer boundaries): each greedy output equals SGLang at
     --tp-size 2 without speculation. DRAFT_MODEL with payoff control on and seeded requests at T 0.8 runs
     with ranks in step (a rank that drew another token would draft from other tokens and fail the check)."""
-    import subprocess
-    import sys
-
     from tests.support.sglang_tp_generate import MARKER
+    from tests.support.tp_generate import run_checked
 
     runs = _runs(sgl_model, tmp_path)
-    env = {**os.environ, "SPECPLUG_CHECK_RANKS": "1"}
-    proc = subprocess.run([sys.executable, "-m", "tests.support.sglang_tp_generate", "--model", str(sgl_model),
-                           "--tp", "2", "--max-tokens", "24", *map(json.dumps, runs)],
-                          capture_output=True, text=True, timeout=840, env=env, cwd=ROOT)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
-    out = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith(MARKER))[len(MARKER):])
+    out = run_checked("tests.support.sglang_tp_generate", ["--model", str(sgl_model), "--tp", "2", "--max-tokens",
+                                                           "24", *map(json.dumps, runs)], dict(os.environ), MARKER)
     base = out.pop("base")["ids"]
     sampled = out.pop("DRAFT_MODEL sampled")
     for name, result in out.items():

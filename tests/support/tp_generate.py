@@ -40,6 +40,19 @@ def sampling_params(fields: dict, max_tokens: int, num_prompts: int) -> list:
                               "seed": None if seed is None else seed + i}) for i in range(num_prompts)]
 
 
+def run_checked(module: str, args: list[str], env: dict, marker: str = MARKER, timeout: float = 840) -> dict:
+    """`python -m module args...` from the repository root with `env` and the rank check on
+    (SPECPLUG_CHECK_RANKS=1); asserts it succeeded and returns its MARKER line's JSON."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    proc = subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True, timeout=timeout,
+                          env={**env, "SPECPLUG_CHECK_RANKS": "1"}, cwd=Path(__file__).resolve().parents[2])
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    return json.loads(next(line for line in proc.stdout.splitlines() if line.startswith(marker))[len(marker):])
+
+
 @contextmanager
 def environment(values: dict):
     """os.environ with `values` set, restored afterwards."""

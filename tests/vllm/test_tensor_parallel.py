@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -20,7 +19,6 @@ from specplug.vllm_eagle3.settings import check_head_shards  # noqa: E402
 pytestmark = pytest.mark.vllm
 
 HEAD = find_head()
-ROOT = Path(__file__).resolve().parents[2]
 SHAPE = {"vocab_size": 49152, "draft_vocab_size": 8192, "num_attention_heads": 9, "num_key_value_heads": 3,
          "intermediate_size": 1536}
 REFUSAL = ("the specplug head H cannot be sharded over tensor_parallel_size 3: draft_vocab_size 8192 is not "
@@ -98,24 +96,16 @@ def test_the_committed_head_padded_for_tp_3_keeps_greedy_output_and_drafts(tmp_p
     on, deciding on rank 0 and broadcasting; its int4 weights run as loaded under TP), with
     the rank check on: greedy output equals the same engine without speculation, and the
     trained head's drafts are accepted (the padding keeps what it drafts)."""
-    import subprocess
-    import sys
-
     from specplug.common.formats import convert
     from specplug.common.testbed import target_dir
+    from tests.support.tp_generate import run_checked
 
     if HEAD is None:
         pytest.skip("no specplug EAGLE-3 head committed under heads/")
     head = str(tmp_path / "head-tp3")
     convert(HEAD, head, "eagle3", tensor_parallel_size=3)
     env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
-    env["SPECPLUG_CHECK_RANKS"] = "1"
-    proc = subprocess.run([sys.executable, "-m", "tests.support.tp_generate", "--target", str(target_dir()),
-                           "--tp", "3", "base", head], capture_output=True, text=True, timeout=840, env=env, cwd=ROOT)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    from tests.support.tp_generate import MARKER
-
-    out = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith(MARKER))[len(MARKER):])
+    out = run_checked("tests.support.tp_generate", ["--target", str(target_dir()), "--tp", "3", "base", head], env)
     assert out[head]["ids"] == out["base"]["ids"] and sum(map(len, out["base"]["ids"])) >= 32  # a prompt may stop
     assert out[head]["accepted"] > 0
 
@@ -168,20 +158,14 @@ def test_every_method_at_tp_2_keeps_greedy_output_and_ranks_in_step(tmp_path):
     with retrieval: each greedy output equals TP 2 without speculation, each drafted; the echo head's drafts
     are accepted. Seeded sampled requests (T 0.8) with payoff control on run with ranks in step (a rank that
     sampled another token would draft from other tokens and fail the check)."""
-    import subprocess
-    import sys
-
     from tests.support.tiny_eagle3 import tiny_target_dir
-    from tests.support.tp_generate import MARKER
+    from tests.support.tp_generate import run_checked
 
     target = tiny_target_dir()
     runs = _tp2_runs(target, tmp_path)
-    env = {**os.environ, "SPECPLUG_CHECK_RANKS": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-    proc = subprocess.run([sys.executable, "-m", "tests.support.tp_generate", "--target", str(target), "--tp", "2",
-                           "--max-tokens", "24", "base", *map(json.dumps, runs)],
-                          capture_output=True, text=True, timeout=840, env=env, cwd=ROOT)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
-    out = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith(MARKER))[len(MARKER):])
+    out = run_checked("tests.support.tp_generate", ["--target", str(target), "--tp", "2", "--max-tokens", "24",
+                                                    "base", *map(json.dumps, runs)],
+                      {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
     base = out.pop("base")["ids"]
     sampled = out.pop("eagle1 chain sampled")
     for name, result in out.items():
