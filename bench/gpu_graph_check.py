@@ -1,7 +1,8 @@
 """CUDA-graph capture and replay of specplug's greedy chain verification.
 
 Fixed shapes: batch 8, K = 4 drafts per request, vocab 32000; flat float32 logits
-[B * (K + 1), V] (an engine's chain layout), every request greedy, so that
+[B * (K + 1), V] (an engine's chain layout), every request greedy, and SPECPLUG_CUDA=0 (where
+the CUDA verify kernel is built, verify_step hands chains to it), so that
 ``specplug.common.verify_step`` runs ``chains.verify_chains(method="greedy")``. Drafts are
 planted so that requests accept 0..K of them. The check, in order:
 
@@ -25,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import linecache
+import os
 import statistics
 import sys
 import time
@@ -249,6 +251,7 @@ def markdown(report: dict) -> str:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    os.environ["SPECPLUG_CUDA"] = "0"  # the chain path itself: where the kernel is built, verify_step prefers it
     if args.device == "cuda" and not torch.cuda.is_available():
         print("gpu_graph_check: no CUDA device (torch.cuda.is_available() is False); --device cpu runs the rest",
               file=sys.stderr)

@@ -38,7 +38,7 @@ Additions beside the shared contract (all additive): ``verify(..., validate=True
 ``randomness.draw_uniforms``, ``randomness.sample_inverse_cdf``,
 ``verify_result.VerifyResult.output_tokens``, ``target_probs.sampling_tensors``. On CUDA
 tensors ``verify`` first offers the call to
-``specplug.common.cuda.try_verify`` (greedy and rejection only) after the uniforms are
+``specplug.common.cuda.try_verify`` (greedy, rejection and coupled) after the uniforms are
 drawn; ``num_nodes`` is always passed as a Long tensor [B].
 
 Beside it: the target distribution p (``process_logits``, ``SamplingConfig``) in
@@ -438,7 +438,7 @@ def verify(
     if method == "coupled" and draft_probs is not None:
         raise ValueError('method "coupled" is for deterministic drafting (draft_probs None); drafts drawn '
                          'from q need method "rejection"')
-    if target_probs.is_cuda and method in ("greedy", "rejection"):
+    if target_probs.is_cuda and method in ("greedy", "rejection", "coupled"):
         result = _try_cuda(candidates, tree.parents, target_probs, None if q is None else draft_probs,
                            method, tree.num_nodes, uniforms)
         if result is not None:

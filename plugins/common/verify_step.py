@@ -56,6 +56,7 @@ import torch
 
 from specplug.common.block_verify import verify_block
 from specplug.common.chains import verify_chains
+from specplug.common.cuda.dispatch import kernel_ready
 from specplug.common.randomness import position_uniforms
 from specplug.common.sampling import TYPICAL_DELTA, TYPICAL_EPSILON, verify
 from specplug.common.target_probs import ORDERS, SamplingConfig, process_logits
@@ -168,10 +169,14 @@ def verify_step(
     chain = chain_rows(parents, num_nodes).tolist()
     rules = [choose_rule(p, b in drawn, typical, chain[b]) for b, p in enumerate(params)]
     chains = flat and all(chain)
+    # greedy and coupled chains: the vectorised chain path, unless the CUDA kernel takes them
+    # (through verify, without the value checks the chain path does not make either)
+    chain_path = chains and not kernel_ready(logits)
+    checked = validate and not chains
     if all(r == "greedy" for r in rules):
-        if chains:
+        if chain_path:
             return verify_chains(candidates[:, 1:], num_nodes - 1, logits, "greedy")
-        return verify(candidates, parents, logits, method="greedy", num_nodes=num_nodes, validate=validate)
+        return verify(candidates, parents, logits, method="greedy", num_nodes=num_nodes, validate=checked)
     p = _target_probs(logits, params, num_nodes, flat)
     step = _Step(candidates, parents, num_nodes, p, step_uniforms(params, width + 1, generator), flat)
     parts = []
@@ -184,12 +189,12 @@ def verify_step(
         q = _draft_rows(draft_probs, rows, step) if method in ("block", "rejection") else None
         if method == "block":
             result = verify_block(sub.candidates[:, 1:], sub.num_nodes - 1, sub.p, q, sub.uniforms, validate=validate)
-        elif method == "coupled" and chains:
+        elif method == "coupled" and chain_path:
             result = verify_chains(sub.candidates[:, 1:], sub.num_nodes - 1, sub.p, "coupled", sub.uniforms)
         else:
             result = verify(sub.candidates, sub.parents, sub.p, q, method=method, num_nodes=sub.num_nodes,
                             uniforms=sub.uniforms, typical_epsilon=typical_epsilon, typical_delta=typical_delta,
-                            validate=validate)
+                            validate=checked if method == "coupled" else validate)
         parts.append((rows, result))
     return parts[0][1] if len(parts) == 1 else _stitched(bsz, parts)
 

@@ -268,6 +268,28 @@ def test_chains_take_the_chain_fast_path(monkeypatch):
     assert calls == ["coupled", "greedy"]  # the trees went through sampling.verify
 
 
+def test_chains_go_to_the_cuda_kernel_where_it_runs(monkeypatch):
+    """Where the fused kernel takes the logits' device (dispatch.kernel_ready: CUDA, built),
+    greedy and coupled chains go through sampling.verify, which offers them to the kernel
+    (tests/cuda/test_parity.py proves its greedy and coupled walks against the torch
+    reference), without value checks, as on the chain path; the result is the same."""
+    batch, logits, params, _ = _mixed_batch(random.Random(3), chains=True)
+    greedy = [dataclasses.replace(p, temperature=0.0) for p in params]
+    expected = [verify_step(logits, batch.candidates, batch.parents, batch.num_nodes, ps,
+                            generator=torch.Generator().manual_seed(2)) for ps in (params, greedy)]
+    verified, real_verify = [], V.verify
+    monkeypatch.setattr(V, "kernel_ready", lambda tensor: True)
+    monkeypatch.setattr(V, "verify_chains", lambda *a, **k: pytest.fail("the chain path ran beside the kernel"))
+    monkeypatch.setattr(V, "verify", lambda *a, **k: verified.append((k["method"], k["validate"])) or
+                        real_verify(*a, **k))
+    got = [verify_step(logits, batch.candidates, batch.parents, batch.num_nodes, ps,
+                       generator=torch.Generator().manual_seed(2)) for ps in (params, greedy)]
+    assert ("coupled", False) in verified and verified[-1] == ("greedy", False)
+    for g, e in zip(got, expected):
+        for name in VerifyResult._fields:
+            assert torch.equal(getattr(g, name), getattr(e, name)), name
+
+
 def test_unseeded_chains_drafted_from_q_take_block_verification(monkeypatch):
     """Chains (a lone root too) of unseeded sampled requests with q go to verify_block, in
     one call; trees with q stay with sampling.verify's rejection; seeded rows stay coupled."""

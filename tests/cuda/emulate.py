@@ -33,7 +33,7 @@ def build_emulator(workdir: Path, threads: int = 64) -> Path:
     source = (cuda_build.SOURCE_DIR / "verify_kernels.cu").read_text()
     source, launches = LAUNCH.subn(r"emu::launch(grid, kThreads, [=] { verify_kernel<T, \1>(a); });", source)
     source, sizes = THREADS.subn(f"constexpr int kThreads = {threads};", source)
-    if launches != 3 or sizes != 1:
+    if launches != 4 or sizes != 1:
         raise RuntimeError("verify_kernels.cu changed shape: update tests/cuda/emulate.py's rewrites")
     (workdir / "verify_kernels_emu.cpp").write_text(source)
     binary = workdir / "driver"

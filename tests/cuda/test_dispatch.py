@@ -75,6 +75,10 @@ def _reason(method="greedy", dtype=torch.float32, nodes=3, vocab=10, flat=False,
         (dict(), None),
         (dict(method="rejection", uniforms=torch.rand(2, 4)), None),
         (dict(method="typical"), "method 'typical' has no kernel"),
+        (dict(method="coupled", uniforms=torch.rand(2, 4)), None),
+        (dict(method="coupled"), "no uniforms given"),
+        (dict(method="coupled", uniforms=torch.rand(2, 4), draft=torch.rand(2, 3, 10)),
+         "method 'coupled' has no kernel"),  # drafts drawn from q are verified by "rejection"
         (dict(dtype=torch.float64), "dtype torch.float64 has no kernel"),
         (dict(nodes=1025), "exceed the kernel's limits"),
         (dict(vocab=262145), "exceed the kernel's limits"),
@@ -145,6 +149,8 @@ def test_schedule_choice(monkeypatch):
     assert dispatch.schedule(greedy, 1, 8, 1000, 2, "cuda") == (rows, 1)  # a row too small to split
     assert dispatch.schedule(greedy, 64, 64, 128256, 2, "cuda") == (path, 1)
     assert dispatch.schedule(draft, 1, 8, 128256, 2, "cuda") == (path, 1)
+    monkeypatch.setenv(dispatch.MODE_ENV, "rows")  # "coupled" has no "rows" form, whatever is asked
+    assert dispatch.schedule(dispatch.METHOD_CODES["coupled"], 1, 8, 128256, 2, "cuda") == (path, 1)
     monkeypatch.setenv(dispatch.MODE_ENV, "path")
     assert dispatch.schedule(greedy, 1, 8, 128256, 2, "cuda") == (path, 1)
 

@@ -153,6 +153,41 @@ def test_target_only_matches_reference(backend, schedule, layout, dtype, vocab):
         assert_same(got, ref, f"target-only {dtype} V={vocab} {layout} {schedule} seed {seed}")
 
 
+def coupled_tokens(p: torch.Tensor, parents: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Long [B, N]: the "coupled" token after each node, the inverse-CDF draw of its row of
+    p [B, N, V] with the uniform of its depth (u [B, N + 1])."""
+    from specplug.common.randomness import sample_inverse_cdf
+    from specplug.common.tree import tree_depths
+
+    draws = u.gather(1, tree_depths(parents))  # [B, N]
+    return sample_inverse_cdf(p.float().flatten(0, 1), draws.flatten()).view(parents.shape)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("chain", [True, False], ids=["chains", "trees"])
+def test_coupled_matches_reference(backend, layout, dtype, chain):
+    """"coupled" (deterministic drafts of sampled requests; vLLM's rule for seeded ones):
+    each node's token is the inverse-CDF draw of p after its parent with the uniform of the
+    parent's depth. Bit for bit on dyadic probabilities, with most drafts planted on those
+    draws so that paths are accepted; negative control: uniforms (u + 0.5) mod 1 (a kernel
+    reading the wrong draw) disagree with the reference."""
+    vocab, nodes, batch = 5003, backend.nodes, 2 * backend.batch
+    control = 0
+    for seed in range(backend.seeds):
+        gen = torch.Generator().manual_seed(400 + seed)
+        trees = random_trees(gen, batch, nodes, vocab, chain=chain)
+        p = dyadic_probs(torch.randn(batch, nodes, vocab, generator=gen) * 6, dtype)
+        u = torch.rand(batch, nodes + 1, generator=gen)
+        trees = plant(gen, trees, coupled_tokens(p, trees.parents, u), rate=0.8)
+        got, ref = run_both(backend, trees, p, method="coupled", uniforms=u, layout=layout)
+        assert_same(got, ref, f"coupled {dtype} {layout} {'chains' if chain else 'trees'} seed {seed}")
+        assert int(ref.num_accepted.sum()) > 0
+        wrong, _ = run_both(backend, trees, p, method="coupled", uniforms=(u + 0.5) % 1.0, layout=layout)
+        control += int((wrong.bonus_token != ref.bonus_token).logical_or(wrong.num_accepted != ref.num_accepted).sum())
+    assert control > 0.3 * backend.seeds * batch, f"negative control: only {control} differ with the wrong uniforms"
+
+
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_draft_rule_chains_match_reference(backend, layout, dtype):

@@ -25,7 +25,7 @@ MAX_NODES = 1024
 MAX_VOCAB = 262144
 MAX_BATCH = 65535
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-METHOD_CODES = {"greedy": 0, "target_only": 1, "draft_rejection": 2}  # SpecplugMethod
+METHOD_CODES = {"greedy": 0, "target_only": 1, "draft_rejection": 2, "coupled": 3}  # SpecplugMethod
 MODE_CODES = {"rows": 0, "path": 1}  # SpecplugMode
 DISABLE_ENV = "SPECPLUG_CUDA"  # "0" forces the torch path
 MODE_ENV = "SPECPLUG_CUDA_MODE"  # "rows" or "path" forces a schedule (benchmarks)
@@ -61,6 +61,8 @@ def _method_code(method: str, draft_probs) -> int | None:
         return METHOD_CODES["greedy"]
     if method == "rejection":
         return METHOD_CODES["target_only" if draft_probs is None else "draft_rejection"]
+    if method == "coupled" and draft_probs is None:
+        return METHOD_CODES["coupled"]
     return None
 
 
@@ -72,6 +74,14 @@ def unsupported_reason(candidates, parents, target_probs, draft_probs, method, n
         device = target_probs.device if isinstance(target_probs, torch.Tensor) else type(target_probs).__name__
         return f"tensors are on {device}, the kernel needs CUDA"
     return input_reason(candidates, parents, target_probs, draft_probs, method, num_nodes, uniforms)
+
+
+def kernel_ready(tensor: torch.Tensor) -> bool:
+    """Whether ``sampling.verify`` on ``tensor``'s device reaches the kernel: CUDA, not
+    switched off by ``SPECPLUG_CUDA=0``, and the extension built (the first call builds it)."""
+    if not tensor.is_cuda or os.environ.get(DISABLE_ENV, "1") == "0":
+        return False
+    return load_extension().module is not None
 
 
 def input_reason(candidates, parents, target_probs, draft_probs, method, num_nodes, uniforms) -> str | None:
@@ -109,7 +119,7 @@ def input_reason(candidates, parents, target_probs, draft_probs, method, num_nod
 def schedule(method_code: int, batch: int, nodes: int, vocab: int, elem_bytes: int, device) -> tuple[int, int]:
     """(mode code, splits) for one launch; ``SPECPLUG_CUDA_MODE`` overrides the mode."""
     forced = os.environ.get(MODE_ENV, "")
-    if method_code == METHOD_CODES["draft_rejection"]:
+    if method_code in (METHOD_CODES["draft_rejection"], METHOD_CODES["coupled"]):  # no "rows" form
         mode = "path"
     elif forced in MODE_CODES:
         mode = forced
@@ -181,7 +191,7 @@ def try_verify(
     """The kernel's answer to ``sampling.verify`` (same arguments, same result), or None.
 
     None means "run the torch path": tensors not on CUDA, a method without a kernel
-    ("typical"), inputs beyond the kernel's limits, no float32 uniforms for "rejection",
+    ("typical"), inputs beyond the kernel's limits, no float32 uniforms for "rejection" or "coupled",
     ``SPECPLUG_CUDA=0``, or a failed build. Inputs are assumed already validated by
     ``sampling.verify`` (parents[i] < i, 1 <= num_nodes <= N, probabilities). ``max_depth``
     (the batch's deepest tree) saves one host sync when the caller knows it.

@@ -10,7 +10,8 @@
 //   target     [B, N, V] or flattened [sum(num_nodes), V]; row-contiguous
 //   draft      same layout as target, or NULL (deterministic drafting)
 //   uniforms   [B, >= N] float32: column 0 draws the final token, column j the
-//              acceptance of node j (NULL for greedy)
+//              acceptance of node j (NULL for greedy); "coupled": column d is the
+//              draw of every token after a node of depth d
 //   outputs:   accepted_nodes [B, N] int64 (root -> last accepted, -1 padded),
 //              num_accepted [B] int64, bonus_token [B] int64, tree_depth [B] int64
 //              (depth of the deepest real node: the torch path returns
@@ -30,6 +31,7 @@ enum SpecplugMethod {
   SPECPLUG_GREEDY = 0,           // argmax walk
   SPECPLUG_TARGET_ONLY = 1,      // "rejection" without draft probs (EAGLE / SGLang rule)
   SPECPLUG_DRAFT_REJECTION = 2,  // "rejection" with draft probs (Leviathan / SpecInfer)
+  SPECPLUG_COUPLED = 3,          // "coupled": inverse-CDF walk with the draw of each depth (path mode only)
 };
 
 enum SpecplugMode {

@@ -551,17 +551,29 @@ __device__ double mass_of(const SpecplugVerifyArgs& a, const Request& r, int j, 
   return block_reduce(acc, sm.scratch_d, Add());
 }
 
-// Greedy: the deepest root path whose every token is the target's argmax at its
-// parent (ties: lowest node id); bonus = argmax after it. Reduces the rows of every
-// node on an agreeing path (a single path unless siblings repeat a token).
-template <typename T>
-__device__ Walk walk_greedy(const SpecplugVerifyArgs& a, const Request& r, Smem& sm) {
+// The target's token after node j (at depth d): its argmax (greedy), or its inverse-CDF
+// draw with the uniform of depth d ("coupled", the reference's sample_inverse_cdf).
+template <typename T, int kMethod>
+__device__ int token_after(const SpecplugVerifyArgs& a, const Request& r, int j, int d, Smem& sm) {
+  if (kMethod == SPECPLUG_COUPLED) {
+    const Row<T> p = row_of<T>(a.target, r, j, a.vocab);
+    return sample_row<T, false>(p, p, uniform(a, r.b, d), Plain(), nullptr, 0, sm);
+  }
+  return argmax_of<T>(a, r, j, sm);
+}
+
+// Greedy and "coupled": the deepest root path whose every token is the target's token
+// after its parent (token_after; ties: lowest node id); bonus = the token after it.
+// Reduces the rows of every node on an agreeing path (a single path unless siblings
+// repeat a token).
+template <typename T, int kMethod>
+__device__ Walk walk_agreeing(const SpecplugVerifyArgs& a, const Request& r, Smem& sm) {
   int* depth = sm.m.greedy.depth;
   int* top = sm.m.greedy.top;
   for (int i = threadIdx.x; i < r.n; i += kThreads) depth[i] = i == 0 ? 0 : -1;
   __syncthreads();
   for (int j = next_marked(depth, 0, r.n); j >= 0; j = next_marked(depth, j + 1, r.n)) {
-    const int t = argmax_of<T>(a, r, j, sm);
+    const int t = token_after<T, kMethod>(a, r, j, depth[j], sm);
     for (int c = j + 1 + threadIdx.x; c < r.n; c += kThreads)
       if (sm.par[c] == j && sm.cand[c] == t) depth[c] = depth[j] + 1;
     if (threadIdx.x == 0) top[j] = t;
@@ -739,8 +751,8 @@ __global__ void __launch_bounds__(kThreads) verify_kernel(const SpecplugVerifyAr
   }
   __syncthreads();
   Walk w;
-  if (kMethod == SPECPLUG_GREEDY) {
-    w = walk_greedy<T>(a, r, sm);
+  if (kMethod == SPECPLUG_GREEDY || kMethod == SPECPLUG_COUPLED) {
+    w = walk_agreeing<T, kMethod>(a, r, sm);
   } else if (kMethod == SPECPLUG_TARGET_ONLY) {
     w = walk_target_only<T>(a, r, sm);
   } else {
@@ -756,6 +768,9 @@ cudaError_t launch_dtype(const SpecplugVerifyArgs& a, cudaStream_t stream) {
   switch (a.method) {
     case SPECPLUG_GREEDY:
       verify_kernel<T, SPECPLUG_GREEDY><<<grid, kThreads, 0, stream>>>(a);
+      break;
+    case SPECPLUG_COUPLED:
+      verify_kernel<T, SPECPLUG_COUPLED><<<grid, kThreads, 0, stream>>>(a);
       break;
     case SPECPLUG_TARGET_ONLY:
       verify_kernel<T, SPECPLUG_TARGET_ONLY><<<grid, kThreads, 0, stream>>>(a);
@@ -783,7 +798,8 @@ int check_args(const SpecplugVerifyArgs& a) {
   if (a.batch < 1 || a.batch > 65535 || a.nodes < 1 || a.nodes > kMaxNodes || a.vocab < 1 || a.vocab > kMaxVocab)
     return kBadSize;
   if (a.dtype < SPECPLUG_F32 || a.dtype > SPECPLUG_F16 || a.method < SPECPLUG_GREEDY ||
-      a.method > SPECPLUG_DRAFT_REJECTION || a.mode < SPECPLUG_MODE_ROWS || a.mode > SPECPLUG_MODE_PATH)
+      a.method > SPECPLUG_COUPLED || a.mode < SPECPLUG_MODE_ROWS || a.mode > SPECPLUG_MODE_PATH ||
+      (a.method == SPECPLUG_COUPLED && a.mode != SPECPLUG_MODE_PATH))
     return kBadEnum;
   if (a.method != SPECPLUG_GREEDY && !a.uniforms) return kNeedUniforms;
   if (a.method == SPECPLUG_DRAFT_REJECTION && !a.draft) return kNeedDraft;
@@ -828,7 +844,7 @@ extern "C" const char* specplug_verify_error_string(int code) {
     case kBadSize:
       return "batch, nodes or vocab out of range (batch <= 65535, nodes <= 1024, vocab <= 262144)";
     case kBadEnum:
-      return "unknown dtype, method or mode";
+      return "unknown dtype, method or mode (or \"coupled\" outside the path mode)";
     case kNeedUniforms:
       return "stochastic verification needs uniforms";
     case kNeedDraft:
