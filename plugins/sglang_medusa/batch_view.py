@@ -138,8 +138,9 @@ def lm_head_weight(model_runner) -> torch.Tensor:
 def whole_vocab(model_runner, name: str, shard: torch.Tensor) -> torch.Tensor:
     """`shard` itself on one tensor-parallel rank; on several, every rank's vocabulary
     shard ([vocab' / tp, H], SGLang's vocab-parallel layout: rank r holds rows r*vocab'/tp
-    onwards) all-gathered into [vocab', H] once and kept on the model runner. A collective:
-    every rank calls it for the same names, in the same order (the workers' start-up)."""
+    onwards) all-gathered into [vocab', H] the first time and kept on the model runner. A
+    collective: every rank calls it for the same names, in the same order (a worker's
+    start-up, or the same drafting step on every rank)."""
     from sglang.srt.distributed.parallel_state import get_tp_group, model_parallel_is_initialized
 
     if not model_parallel_is_initialized() or get_tp_group().world_size == 1:

@@ -83,8 +83,8 @@ def engine_target(model_runner) -> EngineTarget:
     weight (SGLang's LogitsProcessor needs a ForwardBatch; under tensor parallelism the
     whole weight, batch_view.whole_vocab), and SGLang's all-reduce for the row-parallel
     layers it reduces at its layer boundaries."""
-    weight = view.lm_head_weight(model_runner)
-    return EngineTarget(view.target_model(model_runner), lambda hidden: F.linear(hidden, weight),
+    return EngineTarget(view.target_model(model_runner),  # the whole weight is gathered at the first call only
+                        lambda hidden: F.linear(hidden, view.lm_head_weight(model_runner)),
                         view.target_config(model_runner), view.tp_all_reduce())
 
 

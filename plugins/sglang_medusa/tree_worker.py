@@ -173,7 +173,7 @@ class TreeVerifyWorker(BaseSpecWorker):
         on unless SPECPLUG_PAYOFF=0."""
         if not head_section.flag({}, "payoff", os.environ, head_section.ENV_PAYOFF, "payoff control", default=True):
             return
-        self.payoff = CycleClock(PayoffControl(depth, arms=(depth,), ranks=self.ranks))
+        self.payoff = CycleClock(PayoffControl.all_or_none(depth, self.ranks))
         logger.info("specplug payoff control on: each decode step verifies the drafted trees or the roots alone, "
                     "whichever has delivered more tokens per second at its batch size (SPECPLUG_PAYOFF=0 turns it off)")
 

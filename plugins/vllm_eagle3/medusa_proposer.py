@@ -69,7 +69,7 @@ class SpecplugMedusaProposer(MedusaProposer):
                     draft.model, self.num_heads, self.specplug.stage, self.num_speculative_tokens)
         if self.specplug.payoff:
             k = self.num_speculative_tokens
-            self.payoff = CycleClock(PayoffControl(k, arms=(k,), ranks=tp_ranks()))
+            self.payoff = CycleClock(PayoffControl.all_or_none(k, tp_ranks()))
             logger.info("specplug payoff control on: each step verifies the heads' %d drafts or none, whichever "
                         "has delivered more tokens per second at its batch size (\"payoff\": false or "
                         "SPECPLUG_PAYOFF=0 turns it off)", k)

@@ -88,10 +88,10 @@ class SpecplugEagleProposer(EagleProposer):
         if token_drafter is not None and self.specplug.calibrate and self.specplug.stage == "chain":
             scale = HybridScale(["head", "tokens"])
         self.clock = StepClock()  # the engine step between two propose calls (adaptive, gate)
-        self.payoff: PayoffControl | None = None  # each step's depth from measured tokens per second
+        # each step's depth from measured tokens per second; the clock times each cycle
+        self.payoff: CycleClock | None = None
         if self.specplug.payoff and self.adaptive is None:
-            self.payoff = self._payoff_control(self.num_speculative_tokens)
-        self._payoff_clock = None if self.payoff is None else CycleClock(self.payoff)  # times each cycle
+            self.payoff = CycleClock(self._payoff_control(self.num_speculative_tokens))
         # the head's EagleDrafting joins the session on the loaded head at the first step
         self.session = DraftingSession(
             None, token_drafter=token_drafter, sampled=SampledDrafts(self.specplug.draft_temperature), scale=scale,
@@ -136,8 +136,8 @@ class SpecplugEagleProposer(EagleProposer):
         if self.drafting is None:
             self.session.drafting = EagleDrafting(self.head_runner(self.model))
         self._step_timed(int(common_attn_metadata.query_start_loc_cpu[common_attn_metadata.num_reqs]))
-        if self._payoff_clock is not None:  # the cycle since the last propose call: its drafting and verify step
-            self._payoff_clock.lap(self._query_lens(common_attn_metadata))
+        if self.payoff is not None:  # the cycle since the last propose call: its drafting and verify step
+            self.payoff.lap(self._query_lens(common_attn_metadata))
         if self.tree_verifier is not None:  # accepted tree nodes first, as in a chain
             target_token_ids, target_positions, target_hidden_states = self.tree_verifier.committed_order(
                 target_token_ids, target_positions, target_hidden_states)
@@ -233,7 +233,7 @@ class SpecplugEagleProposer(EagleProposer):
             logger.info("specplug payoff control on: each step verifies the tree (%d nodes) or no drafts, "
                         "whichever has delivered more tokens per second at its batch size (\"payoff\": false "
                         "or SPECPLUG_PAYOFF=0 turns it off)", k)
-            return PayoffControl(k, arms=(k,), ranks=self.ranks)
+            return PayoffControl.all_or_none(k, self.ranks)
         logger.info("specplug payoff control on: each step drafts the depth (0..%d) that has delivered the "
                     "most tokens per second at its batch size in this engine (\"payoff\": false or "
                     "SPECPLUG_PAYOFF=0 turns it off)", k)
@@ -242,7 +242,7 @@ class SpecplugEagleProposer(EagleProposer):
     def _choose_depth(self, batch: int) -> int:
         if self.adaptive is not None:
             return self.adaptive.choose_depth(batch)
-        return self.payoff.choose(batch)
+        return self.payoff.control.choose(batch)
 
     @staticmethod
     def _query_lens(attn_metadata) -> list[int]:
@@ -291,8 +291,8 @@ class SpecplugEagleProposer(EagleProposer):
 
     def _verified(self, req_ids, num_draft_tokens, num_accepted):
         """The sampler's verify result, [B] drafts scheduled and accepted per batch row."""
-        if self._payoff_clock is not None:
-            self._payoff_clock.verified(num_draft_tokens, num_accepted.tolist())
+        if self.payoff is not None:
+            self.payoff.verified(num_draft_tokens, num_accepted.tolist())
         if self.adaptive is not None:
             self.adaptive.record_verify(num_draft_tokens, num_accepted)
         self.session.verified(req_ids, num_draft_tokens, num_accepted.tolist())

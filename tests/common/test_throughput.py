@@ -154,7 +154,7 @@ def test_two_arms_the_tree_or_the_root_alone():
     """An engine drafting a fixed tree: arms 0 and its depth; the yield of depth 4 is
     estimated per position from the accepted lengths."""
     engine = SimulatedEngine(**CPU_LIKE)
-    control = PayoffControl(4, arms=(4,))
+    control = PayoffControl.all_or_none(4)
     _, small = run(control, engine, 1, 200)
     _, large = run(control, engine, 64, 200)
     assert set(small) | set(large) == {0, 4}

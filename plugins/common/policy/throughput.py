@@ -121,6 +121,12 @@ class PayoffControl:
         self._probe_every: dict[int, int] = {}  # bucket -> cycles between its probes now
         self._best_at_probe: dict[int, int] = {}  # bucket -> the best depth at its last probe
 
+    @classmethod
+    def all_or_none(cls, depth: int, ranks: RankGroup = ALONE) -> "PayoffControl":
+        """Two arms, the whole tree or chain `depth` deep and no drafts: for steps that verify
+        a drafter's fixed tree (stage tree, Medusa, SGLang's workers)."""
+        return cls(depth, arms=(depth,), ranks=ranks)
+
     def cycle_done(self, seconds: float, drafts: Sequence[int], accepted: Sequence[int], clean: bool = True) -> None:
         """The last chosen cycle took `seconds`; drafts [B] and accepted [B] per request of
         the step that verified it; `clean`: no prefill and no request change disturbed it."""
