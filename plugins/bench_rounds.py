@@ -24,7 +24,7 @@ import traceback
 from dataclasses import replace
 from typing import Callable, Sequence
 
-from specplug.bench import ENGINES, RunResult
+from specplug.bench_types import ENGINES, RunResult
 
 GIB = 1 << 30
 WORKER_GIB = {"vllm": 2.0, "sglang": 4.0}  # resident memory of one worker with its engine (test bed, CPU) ...

@@ -16,7 +16,6 @@ Definitions (the ones engines and papers use, spelled out once):
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -110,23 +109,3 @@ class AcceptanceStats:
             "conditional_acceptance": self.conditional_acceptance,
             "draft_acceptance_rate": self.draft_acceptance_rate,
         }
-
-    @classmethod
-    def from_vllm(cls, metrics: Mapping[str, object]) -> "AcceptanceStats":
-        """From vLLM's spec-decode counters (names with or without the ``vllm:spec_decode_``
-        prefix): ``num_drafts``, ``num_draft_tokens``, ``num_accepted_tokens``,
-        ``num_accepted_tokens_per_pos``."""
-        def get(name, default=None):
-            for key in (f"vllm:spec_decode_{name}", name):
-                if key in metrics:
-                    return metrics[key]
-            if default is None:
-                raise ValueError(f"vLLM metrics lack {name!r}; got keys {sorted(metrics)[:10]}")
-            return default
-
-        return cls(
-            num_steps=int(get("num_drafts")),
-            num_accepted=int(get("num_accepted_tokens")),
-            num_draft_tokens=int(get("num_draft_tokens", 0)),
-            accepted_per_pos=[int(c) for c in get("num_accepted_tokens_per_pos", [])],
-        )

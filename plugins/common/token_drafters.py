@@ -205,9 +205,6 @@ class DrafterChoice:
     name: str
     settings: Mapping[str, Any] = field(default_factory=dict)
 
-    def with_fields(self, **fields) -> "DrafterChoice":
-        return DrafterChoice(self.name, {**self.settings, **fields})
-
 
 def _parse_env(text: str):
     text = text.strip()

@@ -28,7 +28,7 @@ import json
 import os
 import time
 
-from specplug.bench import RunResult
+from specplug.bench_types import RunResult
 from specplug.common.head_section import ENV_PAYOFF
 from specplug.common.parallel import threads_bind
 from specplug.common.retrieval.config import ENV_RETRIEVAL

@@ -43,7 +43,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from specplug.bench import RunResult
+from specplug.bench_types import RunResult
 from specplug.common.parallel import threads_bind
 from specplug.vllm_eagle3.metrics import spec_decode_stats
 

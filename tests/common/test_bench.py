@@ -4,9 +4,8 @@ import argparse
 
 import pytest
 
-from specplug.bench import (
-    RunResult, add_arguments, add_speedups, identical_to_none, markdown, plot, summarise, sweep,
-)
+from specplug.bench import add_arguments, add_speedups, identical_to_none, markdown, plot, summarise, sweep
+from specplug.bench_types import RunResult
 
 
 def report_of(results):

@@ -2,7 +2,7 @@
 
 import pytest
 
-from specplug.bench import RunResult
+from specplug.bench_types import RunResult
 from specplug.bench_rounds import combine, rotated, rounds, sweep_interleaved
 
 

@@ -14,7 +14,6 @@ ADAPTERS = ("specplug.vllm_eagle3", "specplug.sglang_medusa")
 # Strongly connected groups of modules through function-level imports, each to be split;
 # a new group, or a module joining one, fails the test.
 KNOWN_CYCLES = [
-    {"specplug.bench", "specplug.bench_rounds"},
     {"specplug.common.draft_model", "specplug.common.drafters", "specplug.common.drafting.eagle",
      "specplug.common.drafting.engine_layers", "specplug.common.drafting.sampled", "specplug.common.head_section",
      "specplug.common.hooks", "specplug.common.policy.adaptive", "specplug.common.reference",

@@ -33,19 +33,6 @@ def test_update_takes_a_verify_result():
     assert stats.accepted_per_pos == [1, 1] and stats.tau == 3.0
 
 
-def test_from_vllm_counters():
-    stats = AcceptanceStats.from_vllm({
-        "vllm:spec_decode_num_drafts": 10,
-        "vllm:spec_decode_num_draft_tokens": 30,
-        "vllm:spec_decode_num_accepted_tokens": 12,
-        "vllm:spec_decode_num_accepted_tokens_per_pos": [7, 4, 1],
-    })
-    assert stats.tau == pytest.approx(2.2) and stats.draft_acceptance_rate == pytest.approx(0.4)
-    assert stats.conditional_acceptance == pytest.approx([0.7, 4 / 7, 0.25])
-    with pytest.raises(ValueError, match="num_drafts"):
-        AcceptanceStats.from_vllm({})
-
-
 def test_bad_input():
     with pytest.raises(ValueError, match=">= 0"):
         AcceptanceStats().update(torch.tensor([-1]))

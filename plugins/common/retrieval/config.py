@@ -141,12 +141,6 @@ def config_from_fields(fields: Mapping[str, Any]) -> tuple[RetrievalConfig, str 
                          "specplug.common.retrieval.RetrievalConfig or \"datastore\"") from exc
 
 
-def retrieval_settings(section: Mapping[str, Any], environ: Mapping[str, str] = os.environ):
-    """(RetrievalConfig or None, datastore path or None): :func:`retrieval_fields` checked."""
-    fields = retrieval_fields(section, environ)
-    return (None, None) if fields is None else config_from_fields(fields)
-
-
 def retrieval_override(environ: Mapping[str, str] = os.environ):
     """SPECPLUG_RETRIEVAL as given: None (unset), False ("0"), True ("1") or a dict (JSON)."""
     text = environ.get(ENV_RETRIEVAL, "").strip()
