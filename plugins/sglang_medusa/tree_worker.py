@@ -53,7 +53,9 @@ from specplug.common.verify_step import verify_step
 from specplug.sglang_medusa import batch_view as view
 from specplug.sglang_medusa.ranks import tp_ranks
 from specplug.sglang_medusa.request_rules import rules_of
-from specplug.sglang_medusa.spec import check_attention_backends, prefix_masks_needed, server_attention_backends
+from specplug.sglang_medusa.attention_backends import (
+    check_attention_backends, prefix_masks_needed, server_attention_backends,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -136,8 +138,8 @@ class TreeVerifyWorker(BaseSpecWorker):
         return None
 
     def _check_attention(self, server_args) -> bool:
-        """Refuse an attention backend not proven to verify trees on this device (spec.py);
-        True when verify steps hand the prefix-included mask (spec.prefix_masks_needed)."""
+        """Refuse an attention backend not proven to verify trees on this device (attention_backends.py);
+        True when verify steps hand the prefix-included mask (attention_backends.prefix_masks_needed)."""
         from sglang.srt.arg_groups.overrides import resolving_view
 
         backends = server_attention_backends(resolving_view(server_args))

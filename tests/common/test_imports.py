@@ -18,9 +18,7 @@ KNOWN_CYCLES = [
      "specplug.common.drafting.engine_layers", "specplug.common.drafting.sampled", "specplug.common.head_section",
      "specplug.common.hooks", "specplug.common.policy.adaptive", "specplug.common.reference",
      "specplug.common.retrieval", "specplug.common.retrieval.drafter", "specplug.common.token_drafters"},
-    {"specplug.sglang_medusa.eagle_worker", "specplug.sglang_medusa.patches", "specplug.sglang_medusa.spec",
-     "specplug.sglang_medusa.spec_algo", "specplug.sglang_medusa.token_worker",
-     "specplug.sglang_medusa.tree_worker", "specplug.sglang_medusa.worker"},
+    {"specplug.sglang_medusa.patches", "specplug.sglang_medusa.spec", "specplug.sglang_medusa.spec_algo"},
 ]
 
 

@@ -1,11 +1,13 @@
 """Which attention backends specplug's SGLang workers accept for tree verification
-(spec.check_attention_backends), and which mask layout they hand each (spec.prefix_masks_needed):
-refusals checked on CPU with made-up devices and backends."""
+(attention_backends.check_attention_backends), and which mask layout they hand each
+(attention_backends.prefix_masks_needed): refusals checked on CPU with made-up devices and
+backends."""
 
 from types import SimpleNamespace
 
 import pytest
 
+from specplug.sglang_medusa import attention_backends as ab
 from specplug.sglang_medusa import spec
 
 GPU = "cuda"
@@ -13,7 +15,7 @@ GPU = "cuda"
 
 @pytest.mark.parametrize("backend", ["triton", "torch_native"])
 def test_proven_backends_start_on_a_gpu(backend):
-    spec.check_attention_backends(GPU, {"--attention-backend": backend, "--decode-attention-backend": None})
+    ab.check_attention_backends(GPU, {"--attention-backend": backend, "--decode-attention-backend": None})
 
 
 @pytest.mark.parametrize("option", ["--attention-backend", "--prefill-attention-backend", "--decode-attention-backend"])
@@ -21,7 +23,7 @@ def test_proven_backends_start_on_a_gpu(backend):
 def test_unproven_gpu_backends_are_refused_by_name(option, backend):
     backends = {"--attention-backend": "triton", option: backend}
     with pytest.raises(ValueError) as refused:
-        spec.check_attention_backends(GPU, backends, "MEDUSA")
+        ab.check_attention_backends(GPU, backends, "MEDUSA")
     message = str(refused.value)
     assert "MEDUSA on cuda" in message and f"got {option} {backend}" in message
     assert "pass --attention-backend triton or --attention-backend torch_native" in message
@@ -29,10 +31,10 @@ def test_unproven_gpu_backends_are_refused_by_name(option, backend):
 
 
 def test_cpu_accepts_torch_native_only():
-    spec.check_attention_backends("cpu", {"--attention-backend": "torch_native", "--prefill-attention-backend": None})
+    ab.check_attention_backends("cpu", {"--attention-backend": "torch_native", "--prefill-attention-backend": None})
     with pytest.raises(ValueError, match="RETRIEVAL on cpu .* got --attention-backend triton: pass --attention-backend "
                                          "torch_native$"):
-        spec.check_attention_backends("cpu", {"--attention-backend": "triton"}, "RETRIEVAL")
+        ab.check_attention_backends("cpu", {"--attention-backend": "triton"}, "RETRIEVAL")
 
 
 def test_server_arguments_are_checked_where_the_device_is_known():
@@ -41,14 +43,14 @@ def test_server_arguments_are_checked_where_the_device_is_known():
     with pytest.raises(ValueError, match="got --attention-backend flashinfer"):
         spec._check_backend(SimpleNamespace(device="cuda", **args))
     spec._check_backend(SimpleNamespace(device=None, **args))  # auto-detected: the worker checks it at start-up
-    assert spec.server_attention_backends(SimpleNamespace(device="cuda", **args)) == {
+    assert ab.server_attention_backends(SimpleNamespace(device="cuda", **args)) == {
         "--attention-backend": "flashinfer", "--prefill-attention-backend": None, "--decode-attention-backend": None}
 
 
 def test_mask_layout_follows_the_backend(monkeypatch):
-    monkeypatch.delenv(spec.ENV_PREFIX_MASKS, raising=False)
-    assert not spec.prefix_masks_needed({"--attention-backend": "torch_native", "--decode-attention-backend": None})
-    assert spec.prefix_masks_needed({"--attention-backend": "triton"})
-    assert spec.prefix_masks_needed({"--attention-backend": "torch_native", "--decode-attention-backend": "triton"})
-    monkeypatch.setenv(spec.ENV_PREFIX_MASKS, "1")
-    assert spec.prefix_masks_needed({"--attention-backend": "torch_native"})
+    monkeypatch.delenv(ab.ENV_PREFIX_MASKS, raising=False)
+    assert not ab.prefix_masks_needed({"--attention-backend": "torch_native", "--decode-attention-backend": None})
+    assert ab.prefix_masks_needed({"--attention-backend": "triton"})
+    assert ab.prefix_masks_needed({"--attention-backend": "torch_native", "--decode-attention-backend": "triton"})
+    monkeypatch.setenv(ab.ENV_PREFIX_MASKS, "1")
+    assert ab.prefix_masks_needed({"--attention-backend": "torch_native"})

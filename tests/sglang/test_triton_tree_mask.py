@@ -1,6 +1,6 @@
 """SGLang's Triton verify attention reads specplug's prefix-included tree masks correctly.
 
-The proof behind `--attention-backend triton` on a GPU (spec.GPU_TREE_BACKENDS): SGLang's
+The proof behind `--attention-backend triton` on a GPU (attention_backends.GPU_TREE_BACKENDS): SGLang's
 own `extend_attention_fwd` (sglang.kernels.ops.attention.extend_attention), called with the
 arguments its triton backend builds for a TARGET_VERIFY pass (qo_indptr = b * n, kv_indptr /
 kv_indices over the committed prefix, mask_indptr = cumsum(n * (seq_len + n)), causal) and

@@ -17,6 +17,7 @@ import argparse
 import json
 import os
 
+from specplug.common.parallel import threads_bind
 from tests.support.tp_generate import environment
 
 MARKER = "sglang_tp_generate: "  # the result line's prefix
@@ -58,8 +59,7 @@ def main() -> None:
     args = parser.parse_args()
     os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
     os.environ.setdefault("SGLANG_PLUGINS", "specplug_medusa")
-    os.environ.setdefault("SGLANG_CPU_OMP_THREADS_BIND", "|".join(str(r % (os.cpu_count() or 1))
-                                                                  for r in range(args.tp)))
+    os.environ.setdefault("SGLANG_CPU_OMP_THREADS_BIND", threads_bind(args.tp))
     out = {}
     for text in args.runs:
         run = json.loads(text)

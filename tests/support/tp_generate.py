@@ -62,7 +62,10 @@ def environment(values: dict):
         yield
     finally:
         for k, v in saved.items():
-            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def generate(target: str, run: dict, tp: int, max_tokens: int, backend: str = "mp", prompts=PROMPTS) -> dict:
@@ -87,18 +90,16 @@ def main() -> None:
     parser.add_argument("--tp", type=int, default=3, help="tensor_parallel_size (default: 3)")
     parser.add_argument("--max-tokens", type=int, default=16, help="tokens per prompt (default: 16)")
     parser.add_argument("--backend", default="mp", help="distributed_executor_backend: mp or ray (default: mp)")
-    parser.add_argument("--prompts", help="a JSON list of prompts (default: four short ones)")
     parser.add_argument("runs", nargs="+", help="'base', EAGLE-3 head folders or JSON runs, in this order")
     args = parser.parse_args()
     from specplug.common.parallel import threads_bind
 
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", threads_bind(args.tp))
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    prompts = json.loads(args.prompts) if args.prompts else PROMPTS
     out = {}
     for text in args.runs:
         run = parse_run(text)
-        out[run["name"]] = generate(args.target, run, args.tp, args.max_tokens, args.backend, prompts)
+        out[run["name"]] = generate(args.target, run, args.tp, args.max_tokens, args.backend)
     print(MARKER + json.dumps(out), flush=True)
 
 
