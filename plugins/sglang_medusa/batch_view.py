@@ -141,20 +141,26 @@ def whole_vocab(model_runner, name: str, shard: torch.Tensor) -> torch.Tensor:
     onwards) all-gathered into [vocab', H] the first time and kept on the model runner. A
     collective: every rank calls it for the same names, in the same order (a worker's
     start-up, or the same drafting step on every rank)."""
-    from sglang.srt.distributed.parallel_state import get_tp_group, model_parallel_is_initialized
-
-    if not model_parallel_is_initialized() or get_tp_group().world_size == 1:
+    group = tp_group()
+    if group is None:
         return shard
     kept = model_runner.__dict__.setdefault("_specplug_whole_vocab", {})
     if name not in kept:
-        kept[name] = get_tp_group().all_gather(shard.detach().contiguous(), dim=0)
+        kept[name] = group.all_gather(shard.detach().contiguous(), dim=0)
     return kept[name]
 
 
-def tp_all_reduce():
-    """SGLang's all-reduce over the tensor-parallel ranks, or None with one rank."""
+def tp_group():
+    """SGLang's tensor-parallel GroupCoordinator when this process is one of several ranks;
+    None with one rank, or outside an engine (SGLang's groups not initialised)."""
     from sglang.srt.distributed.parallel_state import get_tp_group, model_parallel_is_initialized
 
     if not model_parallel_is_initialized() or get_tp_group().world_size == 1:
         return None
-    return get_tp_group().all_reduce
+    return get_tp_group()
+
+
+def tp_all_reduce():
+    """SGLang's all-reduce over the tensor-parallel ranks, or None with one rank."""
+    group = tp_group()
+    return None if group is None else group.all_reduce
