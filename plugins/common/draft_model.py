@@ -31,10 +31,10 @@ import torch
 from torch import nn
 
 from . import dynamic_trees
+from .attention_masks import additive_mask
 from . import tree as tree_lib
 from .drafting.engine_layers import cut_config
 from .drafting.sampled import SampledDrafts
-from .reference import additive_mask
 from .token_drafters import TokenDrafterBase
 from .tree import TreeBatch, TreeConfig
 

@@ -37,7 +37,7 @@ from specplug.common.policy.adaptive import ENV_ADAPTIVE
 from specplug.common.policy.calibration import ENV_CALIBRATE
 from specplug.common.retrieval.config import ENV_RETRIEVAL
 from specplug.common.sampling import TYPICAL_DELTA, TYPICAL_EPSILON
-from specplug.common.token_drafters import ENV_DRAFTER, DrafterChoice, check_choice, drafter_choice
+from specplug.common.drafter_registry import ENV_DRAFTER, DrafterChoice, check_choice, drafter_choice
 from specplug.common.tree import TreeConfig
 
 logger = logging.getLogger(__name__)
@@ -549,7 +549,7 @@ def _verification(section: Mapping, arguments: Mapping[str, Argument]) -> dict[s
 
 
 def _drafter(section: Mapping, environ: Mapping[str, str]) -> Value | None:
-    """Hybrid drafting (token_drafters.drafter_choice: SPECPLUG_DRAFTER over SPECPLUG_RETRIEVAL
+    """Hybrid drafting (drafter_registry.drafter_choice: SPECPLUG_DRAFTER over SPECPLUG_RETRIEVAL
     over the section's "retrieval" / "drafter"); the section's value checked even when
     overridden, the effective drafter against the registry."""
     drafter_choice(section, {})
@@ -577,12 +577,6 @@ def _draft_temperature(section: Mapping, environ: Mapping[str, str]) -> Value | 
     return _first((env, f"env {ENV_DRAFT_TEMPERATURE}"), (file, FILE))
 
 
-def draft_temperature(section: Mapping, environ: Mapping[str, str]) -> float | None:
-    """The temperature sampled drafts are drawn at, or None (top-k drafts)."""
-    found = _draft_temperature(section, environ)
-    return None if found is None or found.value == 0 else found.value
-
-
 def _head_weights(section: Mapping, environ: Mapping[str, str]) -> Value | None:
     """SPECPLUG_HEAD_WEIGHTS > SPECPLUG_HEAD_INT8 > the section's "head_weights" > its
     older "head_int8" (true = "int8", false = "float")."""
@@ -596,9 +590,3 @@ def _head_weights(section: Mapping, environ: Mapping[str, str]) -> Value | None:
     return _first((env, f"env {ENV_HEAD_WEIGHTS}"),
                   (as_format[_env_flag(environ, ENV_HEAD_INT8, "int8 head weights")], f"env {ENV_HEAD_INT8}"),
                   (file, FILE), (as_format[_file_flag(section, "head_int8")], FILE))
-
-
-def head_weights(section: Mapping, environ: Mapping[str, str]) -> str:
-    """How an EAGLE-3 head's linears run: "float", "int8" or "int4"."""
-    found = _head_weights(section, environ)
-    return HeadSettings.head_weights if found is None else found.value

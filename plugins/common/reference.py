@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .attention_masks import additive_mask
 from .drafters import Drafter
 from .metrics import AcceptanceStats
 from .sampling import verify
@@ -73,13 +74,6 @@ def _target_probs(logits: torch.Tensor, sampling: SamplingConfig, method: str) -
     if method == "greedy":
         return logits.float()
     return process_logits(logits.float(), sampling.temperature, sampling.top_k, sampling.top_p)
-
-
-def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Bool [T, S] -> the additive 4-D mask Hugging Face models take, [1, 1, T, S]:
-    0 where allowed, the dtype's minimum elsewhere."""
-    mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
-    return mask.masked_fill_(~allowed, torch.finfo(dtype).min)[None, None]
 
 
 def _tree_mask(tree: DraftTree, past_len: int, dtype: torch.dtype, device) -> torch.Tensor:

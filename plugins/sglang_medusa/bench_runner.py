@@ -32,7 +32,7 @@ from specplug.bench_types import RunResult
 from specplug.common.head_section import ENV_PAYOFF
 from specplug.common.parallel import threads_bind
 from specplug.common.retrieval.config import ENV_RETRIEVAL
-from specplug.common.token_drafters import ENV_DRAFTER
+from specplug.common.drafter_registry import ENV_DRAFTER
 from specplug.sglang_medusa.settings import DRAFT_TEMPERATURE_ENV
 from specplug.sglang_medusa.metrics import acceptance_from_meta_info
 

@@ -128,7 +128,7 @@ def algorithm_names() -> tuple[str, ...]:
     """ALGORITHMS plus the token drafters third-party plugins add, where specplug's drafter
     registry still loads (it may be what failed)."""
     try:
-        from specplug.common.token_drafters import token_drafter_names
+        from specplug.common.drafter_registry import token_drafter_names
 
         extra = tuple(name.upper() for name in token_drafter_names())
     except Exception:  # a broken install or plugin: the built-in names are still refused
@@ -186,11 +186,11 @@ PATCHES = PatchSet("SGLang", sglang_version, [
           _function(CONFIG_SITE, "model"),
           "AROUND: a Medusa heads folder (no model_type) reads as a plain PretrainedConfig", "spec.py",
           versions=VERSIONS),
-    _algorithm("algorithm MEDUSA", "specplug.sglang_medusa.spec:register_medusa",
+    _algorithm("algorithm MEDUSA", "specplug.sglang_medusa.spec_algo:register_medusa",
                "MEDUSA: Medusa heads, tree verification (worker.py)", versions=VERSIONS),
-    _algorithm("algorithm SPECPLUG_EAGLE3", "specplug.sglang_medusa.spec:register_eagle3",
+    _algorithm("algorithm SPECPLUG_EAGLE3", "specplug.sglang_medusa.spec_algo:register_eagle3",
                "SPECPLUG_EAGLE3: EAGLE-3 heads with dynamic trees (eagle_worker.py)", versions=VERSIONS),
-    _algorithm(TOKEN_DRAFTERS, "specplug.sglang_medusa.spec:register_token_drafters",
+    _algorithm(TOKEN_DRAFTERS, "specplug.sglang_medusa.spec_algo:register_token_drafters",
                "one per token drafter: RETRIEVAL, DRAFT_MODEL, SELF_SPEC and plugins' (token_worker.py)",
                versions=VERSIONS),
     _algorithm(REFUSED_ALGORITHMS, refusing_algorithms,

@@ -51,7 +51,7 @@ from specplug.common.head_section import (
     Verification, parse, read_section,
 )
 from specplug.common.retrieval.config import ENV_RETRIEVAL, retrieval_override
-from specplug.common.token_drafters import ENV_DRAFTER, DrafterChoice, check_choice, env_choice
+from specplug.common.drafter_registry import ENV_DRAFTER, DrafterChoice, check_choice, env_choice
 from specplug.common.tree import TreeConfig
 
 

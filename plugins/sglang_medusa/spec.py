@@ -1,14 +1,12 @@
-"""specplug's algorithms as SGLang sees them: registration and argument checks.
+"""specplug's algorithms as SGLang sees them: their names, argument checks, workers and
+the hooks on SGLang's config reading (spec_algo.py registers them with SGLang).
 
-`register_medusa()`, `register_eagle3()` and `register_token_drafters()` (patches in
-patches.py, given SGLang's `SpeculativeAlgorithm.register`) register with
-`spec_algo.SpecplugSpecAlgo`, which answers the questions SGLang 0.5.23's scheduler asks
-every algorithm. MEDUSA's heads read the target's last hidden state; SPECPLUG_EAGLE3's
-head the target's aux states (its small KV is specplug's own, dense, outside SGLang's
-pools); every registered token drafter (specplug.common.token_drafters: "retrieval" ->
-RETRIEVAL, and any a plugin adds under the entry-point group "specplug") reads tokens
-only. None has a draft model in SGLang's sense or draft KV in its pools; the tree lives
-only in the verify pass's mask.
+MEDUSA's heads read the target's last hidden state; SPECPLUG_EAGLE3's head the target's
+aux states (its small KV is specplug's own, dense, outside SGLang's pools); every
+registered token drafter (specplug.common.token_drafters: "retrieval" -> RETRIEVAL, and
+any a plugin adds under the entry-point group "specplug") reads tokens only. None has a
+draft model in SGLang's sense or draft KV in its pools; the tree lives only in the verify
+pass's mask.
 """
 
 from __future__ import annotations
@@ -16,7 +14,6 @@ from __future__ import annotations
 import logging
 
 from specplug.sglang_medusa.attention_backends import check_attention_backends, server_attention_backends
-from specplug.sglang_medusa.patches import ALIAS_SITE, CONFIG_SITE
 
 logger = logging.getLogger(__name__)
 
@@ -149,19 +146,19 @@ def _synchronous_cpu_defaults(server_args, cfg) -> None:
         server_args.max_running_requests = 48
 
 
-def _token_worker_factory(server_args):
+def token_worker_factory(server_args):
     from specplug.sglang_medusa.token_worker import TokenDrafterWorker
 
     return TokenDrafterWorker
 
 
-def _worker_factory(server_args):
+def worker_factory(server_args):
     from specplug.sglang_medusa.worker import MedusaWorker
 
     return MedusaWorker
 
 
-def _eagle3_worker_factory(server_args):
+def eagle3_worker_factory(server_args):
     from specplug.sglang_medusa.eagle_worker import Eagle3Worker
 
     return Eagle3Worker
@@ -176,9 +173,6 @@ def handle_args(algorithm: str, server_args) -> None:
     """The server-argument handler of a specplug algorithm."""
     handlers = {NAME: handle_server_args, EAGLE3: handle_eagle3_args}
     handlers.get(algorithm, handle_token_args)(server_args)
-
-
-ALIAS_TARGET, CONFIG_TARGET = ALIAS_SITE, CONFIG_SITE  # hooked (patches.py)
 
 
 def _medusa_heads_config(path) -> dict | None:
@@ -215,56 +209,3 @@ def skip_draft_config_for_medusa(original, speculative_algorithm, *args, **kwarg
     if (speculative_algorithm or "").upper() in (NAME, EAGLE3):
         return speculative_algorithm
     return original(speculative_algorithm, *args, **kwargs)
-
-
-def register_medusa(register) -> list[str]:
-    """register("MEDUSA", ...), `register` being SpeculativeAlgorithm.register (patch
-    "algorithm MEDUSA" in patches.py); returns what it registered ([] when SGLang has it)."""
-    from sglang.srt.speculative.spec_registry import get_spec
-
-    from specplug.sglang_medusa.spec_algo import SpecplugSpecAlgo
-
-    if get_spec(NAME) is not None:
-        return []
-    register(NAME, supports_overlap=False, validate_server_args=validate_server_args,
-             spec_class=SpecplugSpecAlgo)(_worker_factory)
-    return [NAME]
-
-
-def register_eagle3(register) -> list[str]:
-    """register("SPECPLUG_EAGLE3", ...), as register_medusa."""
-    from sglang.srt.speculative.spec_registry import get_spec
-
-    from specplug.sglang_medusa.spec_algo import SpecplugSpecAlgo
-
-    if get_spec(EAGLE3) is not None:
-        return []
-    register(EAGLE3, supports_overlap=False, validate_server_args=validate_eagle3_args,
-             spec_class=SpecplugSpecAlgo)(_eagle3_worker_factory)
-    return [EAGLE3]
-
-
-def register_token_drafters(register) -> list[str]:
-    """register(NAME.upper(), ...) for every registered token drafter
-    (specplug.common.token_drafters.token_drafter_names), `register` being
-    SpeculativeAlgorithm.register; a name SGLang already knows is skipped with a warning.
-    Returns the algorithms this call registered (TOKEN_ALGORITHMS: all this process has)."""
-    from sglang.srt.speculative.spec_registry import get_spec
-
-    from specplug.common.token_drafters import token_drafter_names
-    from specplug.sglang_medusa.spec_algo import SpecplugSpecAlgo
-
-    registered = []
-    for name in token_drafter_names():
-        algorithm = name.upper()
-        if algorithm in TOKEN_ALGORITHMS:
-            continue
-        if get_spec(algorithm) is not None or algorithm in (NAME, EAGLE3):
-            logger.warning("specplug: drafter %r not registered as SGLang algorithm %s: SGLang already has one "
-                           "by that name (rename the drafter)", name, algorithm)
-            continue
-        register(algorithm, supports_overlap=False, validate_server_args=validate_token_args,
-                 spec_class=SpecplugSpecAlgo)(_token_worker_factory)
-        TOKEN_ALGORITHMS.add(algorithm)
-        registered.append(algorithm)
-    return registered

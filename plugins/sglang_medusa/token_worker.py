@@ -19,7 +19,7 @@ import logging
 import torch.nn.functional as F
 from sglang.srt.arg_groups.overrides import resolving_view
 
-from specplug.common import token_drafters
+from specplug.common import drafter_registry
 from specplug.common.drafting.engine_layers import EngineTarget
 from specplug.common.token_drafters import draft_or_roots
 from specplug.common.tree import TreeBatch
@@ -73,8 +73,8 @@ class SyncedTokenDrafter:
 def synced_drafter(choice, cfg, model_runner) -> SyncedTokenDrafter:
     """The registered drafter `choice` built for a worker of server arguments `cfg`,
     bound to the target `model_runner` loaded (self_spec drafts with its layers)."""
-    drafter = token_drafters.build(choice, view.vocab_size(model_runner))
-    token_drafters.bind_target(drafter, engine_target(model_runner))
+    drafter = drafter_registry.build(choice, view.vocab_size(model_runner))
+    drafter_registry.bind_target(drafter, engine_target(model_runner))
     return SyncedTokenDrafter(drafter, 2 * int(cfg.max_running_requests or 48))
 
 

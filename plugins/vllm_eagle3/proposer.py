@@ -40,7 +40,7 @@ from specplug.vllm_eagle3.settings import (
     check_num_speculative_tokens,
     specplug_section,
 )
-from specplug.common import memory, token_drafters
+from specplug.common import drafter_registry, memory
 from specplug.common.drafting.eagle import Committed, EagleDrafting
 from specplug.common.drafting.engine_layers import EngineTarget
 from specplug.common.drafting.sampled import SampledDrafts
@@ -83,7 +83,7 @@ class SpecplugEagleProposer(EagleProposer):
                         self.num_speculative_tokens)
         token_drafter = None  # hybrid drafting: the section's token drafter, or None
         if self.specplug.drafter is not None:
-            token_drafter = token_drafters.build(self.specplug.drafter, vllm_config.model_config.get_vocab_size())
+            token_drafter = drafter_registry.build(self.specplug.drafter, vllm_config.model_config.get_vocab_size())
         scale = None  # hybrid drafting on measured acceptance (stage chain): a HybridScale
         if token_drafter is not None and self.specplug.calibrate and self.specplug.stage == "chain":
             scale = HybridScale(["head", "tokens"])
@@ -104,7 +104,7 @@ class SpecplugEagleProposer(EagleProposer):
         if self.specplug is not None and self.specplug.head_weights != "float":
             self._use_quantized_weights(target_model, self.specplug.head_weights)
         if self.specplug is not None and self.token_drafter is not None:  # self_spec: the target's own layers
-            token_drafters.bind_target(self.token_drafter, EngineTarget(
+            drafter_registry.bind_target(self.token_drafter, EngineTarget(
                 target_model, target_model.compute_logits, self.vllm_config.model_config.hf_text_config))
         if self.specplug is not None and self.state is not None:
             # the runner builds its rejection sampler after the drafter: swap it here

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from specplug.common.policy.adaptive import (
-    AdaptiveController, AdaptiveSettings, Timings, adaptive_flag, pinned_costs, tree_option,
+    AdaptiveController, AdaptiveSettings, Timings, pinned_costs, tree_option,
 )
 from specplug.common.policy.cost import (
     Curve, SpecOption, StepCosts, chain_expected_tokens, tree_depth_alphas, tree_expected_tokens,
@@ -172,17 +172,6 @@ def test_timings_keep_a_window_and_use_the_median():
         timings.add(4, seconds)
     assert timings.count(4) == 3 and timings.points() == [(4, 2.0)]
     assert timings.points(min_samples=4) == []
-
-
-def test_adaptive_flag_from_section_and_env():
-    assert not adaptive_flag({}, {})
-    assert adaptive_flag({"adaptive": True}, {})
-    assert adaptive_flag({}, {"SPECPLUG_ADAPTIVE": "1"})
-    assert not adaptive_flag({"adaptive": True}, {"SPECPLUG_ADAPTIVE": "0"})
-    with pytest.raises(ValueError, match="SPECPLUG_ADAPTIVE"):
-        adaptive_flag({}, {"SPECPLUG_ADAPTIVE": "maybe"})
-    with pytest.raises(TypeError, match="adaptive"):
-        adaptive_flag({"adaptive": "yes"}, {})
 
 
 def test_pinned_costs_from_env():

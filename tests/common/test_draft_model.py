@@ -116,12 +116,12 @@ def test_token_drafter_follows_the_engine_and_drafts_what_the_drafter_does(tiny_
     the same tree as the reference-loop drafter fed those tokens from scratch."""
     from transformers import AutoModelForCausalLM
 
-    from specplug.common import token_drafters
+    from specplug.common import drafter_registry
     from specplug.common.tree import TreeConfig
 
     path = cut_draft_model(tiny_llama_path, "0-1", tmp_path / "draft")
-    choice = token_drafters.DrafterChoice("draft_model", {"model": str(path), "budget": 6, "max_depth": 3, "topk": 2})
-    drafter = token_drafters.build(choice, vocab_size=512)
+    choice = drafter_registry.DrafterChoice("draft_model", {"model": str(path), "budget": 6, "max_depth": 3, "topk": 2})
+    drafter = drafter_registry.build(choice, vocab_size=512)
     fresh = DraftModelDrafter(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32))
 
     def same_as_fresh(tokens):
@@ -146,23 +146,24 @@ def test_token_drafter_follows_the_engine_and_drafts_what_the_drafter_does(tiny_
 def test_the_draft_model_moves_to_the_engines_device_when_the_target_loads(tiny_llama_path, tmp_path):
     """bind_target (called by both adapters once the target has loaded): the draft model,
     loaded on the CPU, moves to the target's device ("meta" stands in for a GPU here)."""
-    from specplug.common import token_drafters
+    from specplug.common import drafter_registry
     from specplug.common.drafting.engine_layers import EngineTarget
 
     path = cut_draft_model(tiny_llama_path, "0", tmp_path / "draft")
-    drafter = token_drafters.build(token_drafters.DrafterChoice("draft_model", {"model": str(path)}), vocab_size=512)
-    token_drafters.bind_target(drafter, EngineTarget(torch.nn.Linear(2, 2, device="meta"), None, None))
+    choice = drafter_registry.DrafterChoice("draft_model", {"model": str(path)})
+    drafter = drafter_registry.build(choice, vocab_size=512)
+    drafter_registry.bind_target(drafter, EngineTarget(torch.nn.Linear(2, 2, device="meta"), None, None))
     assert drafter.drafter.device == torch.device("meta")
     assert {p.device.type for p in drafter.drafter.model.parameters()} == {"meta"}
 
 
 def test_sampled_token_drafter_returns_q(tiny_llama_path, tmp_path):
-    from specplug.common import token_drafters
+    from specplug.common import drafter_registry
 
     path = cut_draft_model(tiny_llama_path, "0", tmp_path / "draft")
-    choice = token_drafters.DrafterChoice("draft_model", {"model": str(path), "max_depth": 2, "topk": 3,
+    choice = drafter_registry.DrafterChoice("draft_model", {"model": str(path), "max_depth": 2, "topk": 3,
                                                           "temperature": 0.7, "seed": 1})
-    trees = [token_drafters.build(choice, vocab_size=512) for _ in range(2)]
+    trees = [drafter_registry.build(choice, vocab_size=512) for _ in range(2)]
     for d in trees:
         d.prefill("a", [3, 17, 99, 4])
     first, again = (d.draft(["a"]) for d in trees)
@@ -174,27 +175,28 @@ def test_sampled_token_drafter_returns_q(tiny_llama_path, tmp_path):
 
 
 def test_token_drafter_settings_are_checked(tmp_path, tiny_llama_path):
-    from specplug.common import token_drafters
+    from specplug.common import drafter_registry
 
     with pytest.raises(ValueError, match="specplug draft-model cut"):
-        token_drafters.check_choice(token_drafters.DrafterChoice("draft_model", {"model": str(tmp_path)}))
+        drafter_registry.check_choice(drafter_registry.DrafterChoice("draft_model", {"model": str(tmp_path)}))
     path = cut_draft_model(tiny_llama_path, "0", tmp_path / "d")
     with pytest.raises(ValueError, match="temperature must be > 0"):
-        token_drafters.check_choice(token_drafters.DrafterChoice("draft_model", {"model": str(path), "temperature": 0}))
+        drafter_registry.check_choice(
+            drafter_registry.DrafterChoice("draft_model", {"model": str(path), "temperature": 0}))
     with pytest.raises(ValueError, match="share the target's tokenizer"):
-        token_drafters.build(token_drafters.DrafterChoice("draft_model", {"model": str(path)}), vocab_size=1000)
+        drafter_registry.build(drafter_registry.DrafterChoice("draft_model", {"model": str(path)}), vocab_size=1000)
 
 
 def test_self_spec_settings_are_checked_and_it_waits_for_the_engine():
-    from specplug.common import token_drafters
+    from specplug.common import drafter_registry
 
-    choice = token_drafters.DrafterChoice
+    choice = drafter_registry.DrafterChoice
     for bad, field in (({"layers": "0-x"}, "is not an int or a range"), ({"layers": 0}, "count K >= 1"),
                        ({"layers": "1-3"}, "include layer 0"), ({"topk": 0}, "topk"),
                        ({"temperature": -1}, "temperature")):
         with pytest.raises(ValueError, match=field):
-            token_drafters.check_choice(choice("self_spec", bad))
-    drafter = token_drafters.build(choice("self_spec", {"layers": 2}), vocab_size=1000)
+            drafter_registry.check_choice(choice("self_spec", bad))
+    drafter = drafter_registry.build(choice("self_spec", {"layers": 2}), vocab_size=1000)
     with pytest.raises(RuntimeError, match="bind_target"):
         drafter.draft(["r"])
 

@@ -13,7 +13,7 @@ import pytest
 from specplug.common import head_section as hs
 from specplug.common.head_section import Argument, HeadSettings, MedusaTree, Verification, parse
 from specplug.common.sampling import TYPICAL_DELTA, TYPICAL_EPSILON
-from specplug.common.token_drafters import DrafterChoice
+from specplug.common.drafter_registry import DrafterChoice
 from specplug.common.tree import TreeConfig
 
 
@@ -23,6 +23,11 @@ def value(section=None, environ=None, name="", **kw):
 
 
 # -- defaults -----------------------------------------------------------------------------
+
+
+def weights(section, environ):
+    """The head weights format the head section's schema settles on."""
+    return hs.parse(section, environ).settings.head_weights
 
 
 def test_no_section_gives_every_default_with_source_default():
@@ -288,10 +293,5 @@ def test_read_section(tmp_path):
     assert hs.read_section(tmp_path) == {"stage": "tree"}
 
 
-def test_legacy_readers_are_the_schemas():
-    from specplug.common.drafting import sampled
-    from specplug.common.policy.adaptive import adaptive_flag
-
-    assert hs.head_weights({"head_int8": True}, {}) == "int8"
-    assert sampled.draft_temperature({"draft_temperature": 0.5}, {"SPECPLUG_DRAFT_TEMPERATURE": "0"}) is None
-    assert adaptive_flag({"adaptive": True}, {}) and not adaptive_flag({}, {})
+def test_the_older_int8_switch_reads_as_head_weights():
+    assert weights({"head_int8": True}, {}) == "int8"

@@ -13,6 +13,11 @@ from specplug.common.quantization import head_linears, int4
 from tests.common.test_int8 import _head, _logits
 
 
+def weights(section, environ):
+    """The head weights format the head section's schema settles on."""
+    return head_section.parse(section, environ).settings.head_weights
+
+
 def test_quantize_is_within_half_a_step_per_group():
     torch.manual_seed(0)
     w = torch.randn(32, 256) * torch.logspace(-3, 1, 32)[:, None]  # rows of very different magnitude
@@ -93,14 +98,14 @@ def test_swap_linears_runs_specplugs_own_head_in_int4():
 
 
 def test_head_weights_setting():
-    assert head_section.head_weights({}, {}) == "float"
-    assert head_section.head_weights({"head_int8": True}, {}) == "int8"
-    assert head_section.head_weights({"head_weights": "int4"}, {}) == "int4"
-    assert head_section.head_weights({"head_weights": "int4", "head_int8": True}, {}) == "int4"
-    assert head_section.head_weights({"head_weights": "int4"}, {head_section.ENV_HEAD_WEIGHTS: "float"}) == "float"
+    assert weights({}, {}) == "float"
+    assert weights({"head_int8": True}, {}) == "int8"
+    assert weights({"head_weights": "int4"}, {}) == "int4"
+    assert weights({"head_weights": "int4", "head_int8": True}, {}) == "int4"
+    assert weights({"head_weights": "int4"}, {head_section.ENV_HEAD_WEIGHTS: "float"}) == "float"
     # the older switch
-    assert head_section.head_weights({"head_weights": "int4"}, {head_section.ENV_HEAD_INT8: "1"}) == "int8"
+    assert weights({"head_weights": "int4"}, {head_section.ENV_HEAD_INT8: "1"}) == "int8"
     with pytest.raises(ValueError, match="head_weights"):
-        head_section.head_weights({"head_weights": "fp8"}, {})
+        weights({"head_weights": "fp8"}, {})
     with pytest.raises(ValueError, match=head_section.ENV_HEAD_WEIGHTS):
-        head_section.head_weights({}, {head_section.ENV_HEAD_WEIGHTS: "int3"})
+        weights({}, {head_section.ENV_HEAD_WEIGHTS: "int3"})

@@ -11,6 +11,11 @@ from specplug.common import head_section
 from specplug.common.quantization import head_linears, int8
 
 
+def weights(section, environ):
+    """The head weights format the head section's schema settles on."""
+    return head_section.parse(section, environ).settings.head_weights
+
+
 def test_quantize_is_within_half_a_step_per_row():
     torch.manual_seed(0)
     w = torch.randn(48, 64) * torch.logspace(-3, 1, 48)[:, None]  # rows of very different magnitude
@@ -160,9 +165,9 @@ def test_swap_linears_checks_the_weights_not_the_bias():
 
 
 def test_head_int8_is_the_older_switch_for_int8_head_weights():
-    assert head_section.head_weights({}, {}) == "float"
-    assert head_section.head_weights({"head_int8": True}, {}) == "int8"
-    assert head_section.head_weights({"head_int8": True}, {head_section.ENV_HEAD_INT8: "0"}) == "float"
-    assert head_section.head_weights({}, {head_section.ENV_HEAD_INT8: "1"}) == "int8"
+    assert weights({}, {}) == "float"
+    assert weights({"head_int8": True}, {}) == "int8"
+    assert weights({"head_int8": True}, {head_section.ENV_HEAD_INT8: "0"}) == "float"
+    assert weights({}, {head_section.ENV_HEAD_INT8: "1"}) == "int8"
     with pytest.raises(ValueError, match=head_section.ENV_HEAD_INT8):
-        head_section.head_weights({}, {head_section.ENV_HEAD_INT8: "maybe"})
+        weights({}, {head_section.ENV_HEAD_INT8: "maybe"})

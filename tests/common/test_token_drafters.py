@@ -6,9 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specplug.common import hooks, token_drafters
+from specplug.common import drafter_registry, hooks, token_drafters
 from specplug.common.retrieval import RetrievalDrafter
-from specplug.common.token_drafters import DrafterChoice, TokenDrafterBase, drafter_choice
+from specplug.common.drafter_registry import DrafterChoice, drafter_choice
+from specplug.common.token_drafters import TokenDrafterBase
 
 
 @pytest.fixture(autouse=True)
@@ -19,8 +20,8 @@ def fresh_registry():
 
 
 def test_the_entry_point_drafter_is_registered_and_built_by_name():
-    assert {"retrieval", "lookup"} <= set(token_drafters.token_drafter_names())
-    drafter = token_drafters.build(DrafterChoice("lookup", {"budget": 3, "ngram": 1}), vocab_size=100)
+    assert {"retrieval", "lookup"} <= set(drafter_registry.token_drafter_names())
+    drafter = drafter_registry.build(DrafterChoice("lookup", {"budget": 3, "ngram": 1}), vocab_size=100)
     drafter.prefill("a", [5, 6, 7, 5])
     tree = drafter.draft(["a"])
     assert tree.candidates.tolist() == [[5, 6, 7, 5]] and tree.parents.tolist() == [[-1, 0, 1, 2]]
@@ -62,11 +63,11 @@ def test_bad_choices_are_named(section, environ, message):
 ])
 def test_bad_settings_fail_before_anything_is_built(choice, message):
     with pytest.raises(ValueError, match=message):
-        token_drafters.check_choice(choice)
+        drafter_registry.check_choice(choice)
 
 
 def test_retrieval_is_built_from_its_settings():
-    drafter = token_drafters.build(DrafterChoice("retrieval", {"budget": 3, "min_prob": 0.0}), vocab_size=100)
+    drafter = drafter_registry.build(DrafterChoice("retrieval", {"budget": 3, "min_prob": 0.0}), vocab_size=100)
     assert isinstance(drafter, RetrievalDrafter) and drafter.budget == 3 and drafter.alone(["x"], 2) is None
 
 

@@ -66,7 +66,7 @@ def test_an_engine_asked_for_a_specplug_algorithm_refuses_at_start_up(stayed_out
 
 
 def test_algorithm_names_match_what_the_adapter_registers():
-    from specplug.common.token_drafters import token_drafter_names
+    from specplug.common.drafter_registry import token_drafter_names
     from specplug.sglang_medusa import spec
 
     builtin = {"retrieval", "draft_model", "self_spec"}
@@ -75,10 +75,10 @@ def test_algorithm_names_match_what_the_adapter_registers():
 
 
 def test_patch_sites_name_every_hook_target_and_all_exist():
-    from specplug.sglang_medusa import admission, cpu_linear, spec, tree_attention
+    from specplug.sglang_medusa import admission, cpu_linear, tree_attention
 
     targets = {tree_attention.TARGET, admission.TARGET, cpu_linear.LINEAR_TARGET, cpu_linear.LM_HEAD_TARGET,
-               spec.ALIAS_TARGET, spec.CONFIG_TARGET}
+               sglang_medusa.patches.ALIAS_SITE, sglang_medusa.patches.CONFIG_SITE}
     assert targets <= set(sglang_medusa.PATCH_SITES)
     found = sglang_medusa.patch_sites_found()
     assert list(found) == list(sglang_medusa.PATCH_SITES)

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specplug.common.reference import additive_mask
+from specplug.common.attention_masks import additive_mask
 
 
 class EngineTarget(NamedTuple):

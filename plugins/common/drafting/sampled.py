@@ -3,7 +3,7 @@ distribution q instead of top-k, carrying q per node for lossless rejection samp
 
 from __future__ import annotations
 
-from typing import Hashable, Mapping
+from typing import Hashable
 
 import torch
 
@@ -12,15 +12,6 @@ from ..tree import TreeBatch, TreeConfig
 
 
 ENV_DRAFT_TEMPERATURE = "SPECPLUG_DRAFT_TEMPERATURE"  # overrides a head section's "draft_temperature"
-
-
-def draft_temperature(section: Mapping, environ: Mapping[str, str]) -> float | None:
-    """The temperature sampled drafts are drawn at, or None (top-k trees): a head section's
-    "draft_temperature", SPECPLUG_DRAFT_TEMPERATURE overriding (0: off), as
-    specplug.common.head_section reads it."""
-    from specplug.common import head_section
-
-    return head_section.draft_temperature(section, environ)
 
 
 class SampledDrafts:

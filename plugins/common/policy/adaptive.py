@@ -60,19 +60,6 @@ class AdaptiveSettings:
     log_every: int = 500       # steps between INFO summaries of the choices
 
 
-def adaptive_flag(section: Mapping, environ: Mapping[str, str]) -> bool:
-    """The head section's "adaptive" (default False), overridden by SPECPLUG_ADAPTIVE=1/0."""
-    return section_flag(section, "adaptive", environ, ENV_ADAPTIVE, "adaptive speculation")
-
-
-def section_flag(section: Mapping, key: str, environ: Mapping[str, str], env: str, what: str) -> bool:
-    """A true/false field of a head's specplug section (default False), overridden by the
-    environment variable `env` (1/true/yes/on or 0/false/no/off): specplug.common.head_section.flag."""
-    from specplug.common import head_section
-
-    return head_section.flag(section, key, environ, env, what)
-
-
 def chain_options(max_depth: int) -> tuple[SpecOption, ...]:
     """Chains of 1..max_depth drafts (an engine that verifies chains: nodes == depth)."""
     if max_depth < 1:

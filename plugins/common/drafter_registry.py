@@ -1,0 +1,112 @@
+"""How an engine chooses and builds a token drafter (specplug.common.token_drafters): a
+head section's "drafter" / "retrieval" or SPECPLUG_DRAFTER as a DrafterChoice, the class
+registered under its name (the ``specplug_drafters`` hook), its settings checked, built."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from .token_drafters import TokenDrafter
+
+ENV_DRAFTER = "SPECPLUG_DRAFTER"  # a registered drafter's name, or {"name": ..., its fields}; "0" = off
+
+
+@dataclass(frozen=True)
+class DrafterChoice:
+    """A registered token drafter's name and the settings it is built with."""
+
+    name: str
+    settings: Mapping[str, Any] = field(default_factory=dict)
+
+
+def _parse_env(text: str):
+    text = text.strip()
+    if text.lower() in ("0", "false", "off"):
+        return False
+    if text.startswith("{"):
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{ENV_DRAFTER} must be a drafter name or a JSON object, got {text!r}: {exc}") from exc
+    return text
+
+
+def _choice(value, where: str) -> DrafterChoice:
+    """A "drafter" value (a name or {"name": ..., fields}) as a DrafterChoice."""
+    if isinstance(value, str) and value:
+        return DrafterChoice(value)
+    if isinstance(value, Mapping) and isinstance(value.get("name"), str):
+        return DrafterChoice(value["name"], {k: v for k, v in value.items() if k != "name"})
+    raise ValueError(f"{where} must be a registered drafter's name or an object with \"name\" and its fields, "
+                     f"got {value!r}: e.g. \"retrieval\" or {{\"name\": \"retrieval\", \"budget\": 4}}")
+
+
+def env_choice(environ: Mapping[str, str] = os.environ, default_name: str | None = None):
+    """SPECPLUG_DRAFTER as given: None (unset), False ("0" / "off") or a DrafterChoice (a
+    name, or a JSON object of fields with "name"; without it, `default_name`)."""
+    text = environ.get(ENV_DRAFTER, "").strip()
+    if not text:
+        return None
+    value = _parse_env(text)
+    if isinstance(value, Mapping) and "name" not in value and default_name is not None:
+        value = {"name": default_name, **value}
+    return value if value is False else _choice(value, ENV_DRAFTER)
+
+
+def drafter_choice(section: Mapping[str, Any], environ: Mapping[str, str] = os.environ) -> DrafterChoice | None:
+    """The token drafter a head's `specplug` section asks for, or None: SPECPLUG_DRAFTER
+    if set, else SPECPLUG_RETRIEVAL / the section's "retrieval" (the built-in retrieval
+    drafter: true or an object of its fields), else the section's "drafter"."""
+    from .retrieval.config import retrieval_fields, retrieval_override
+
+    env = env_choice(environ)
+    if env is not None:
+        return env or None
+    if "retrieval" in section and "drafter" in section:
+        raise ValueError("the specplug section has both \"retrieval\" and \"drafter\": keep one "
+                         "(\"retrieval\": {...} is \"drafter\": {\"name\": \"retrieval\", ...})")
+    if retrieval_override(environ) is not None or "retrieval" in section:
+        fields = retrieval_fields(section, environ)
+        return None if fields is None else DrafterChoice("retrieval", fields)
+    return None if section.get("drafter") in (None, False) else _choice(section["drafter"], "specplug \"drafter\"")
+
+
+def drafter_class(name: str):
+    """The class registered as drafter `name` (ValueError lists the registered ones)."""
+    from .hooks import get_drafter
+
+    return get_drafter(name)
+
+
+def check_choice(choice: DrafterChoice) -> None:
+    """Raise ValueError when the drafter is not registered or its settings are wrong."""
+    cls = drafter_class(choice.name)
+    try:
+        cls.check_settings(dict(choice.settings))
+    except ValueError as exc:
+        raise ValueError(f"drafter {choice.name!r}: {exc}") from exc
+
+
+def build(choice: DrafterChoice, vocab_size: int) -> TokenDrafter:
+    """The drafter `choice` names, built with its settings."""
+    check_choice(choice)
+    return drafter_class(choice.name).from_settings(dict(choice.settings), vocab_size)
+
+
+def bind_target(drafter: TokenDrafter, target) -> None:
+    """Hand the engine's loaded target (a drafting.engine_layers.EngineTarget) to a
+    drafter that asks for it; every other drafter ignores it."""
+    bind = getattr(drafter, "bind_target", None)
+    if callable(bind):
+        bind(target)
+
+
+def token_drafter_names() -> list[str]:
+    """Registered drafters that speak TokenDrafter (a from_settings classmethod)."""
+    from .hooks import drafters
+
+    return sorted(name for name, obj in drafters().items() if callable(getattr(obj, "from_settings", None)))
