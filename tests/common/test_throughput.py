@@ -104,6 +104,19 @@ def test_a_deeper_depth_that_cannot_win_is_never_timed():
     assert control.choose(8) == 0
 
 
+def test_a_depth_that_loses_clearly_is_timed_once():
+    """At batch 64 on the CPU-like engine, one timed cycle of depth 2 or 3 shows them under 90%
+    of the plain rate at the acceptance seen so far: each is timed once, not min_samples
+    times. Negative control: with clear_loss 0 each runs min_samples cycles."""
+    def deep_cycles(settings):
+        _, chosen = run(PayoffControl(MAX_DEPTH, settings), SimulatedEngine(**CPU_LIKE), 64, 40)
+        assert chosen[-20:] == [0] * 20  # plain steps win either way
+        return sum(d >= 2 for d in chosen)
+
+    assert deep_cycles(PayoffSettings()) <= 2
+    assert deep_cycles(PayoffSettings(clear_loss=0.0)) >= 2 * PayoffSettings().min_samples
+
+
 def test_a_depth_that_loses_at_a_smaller_batch_is_not_explored_at_a_larger_one():
     """The cost ratio of a depth to a plain step grows with the batch: once drafting loses
     at batch 4, batch 8 runs plain steps from its first timed cycle, without exploring."""

@@ -19,15 +19,17 @@ the plain step by `margin`. Timings are the engine's own, so a drafting arm that
 to the plain step runs only for its measurements.
 
 Exploration: at a new bucket the arms are timed shallowest first, `min_samples` cycles
-each, and a deeper arm is skipped when even at its cost floor its tokens could not beat
-the best rate so far: the floor is the cost of the arm before it, or the plain step's cost
-times the arm's cost ratio measured at the nearest smaller bucket (an arm that loses at
-batch 4 is not explored at batch 8). Then a neighbour of the best arm (the one timed
-longest ago) is re-timed `probe_every` cycles later, and again after twice as many cycles
-each time the best arm stays the same (up to `max_probe_every`; back to `probe_every`
-when it changes), so the choice follows changes in load and acceptance while a settled
-choice pays for almost no probes. The first drafting cycle after plain ones carries the head's
-deferred catch-up: it is not timed, and a drafting probe from plain runs two cycles.
+each (one for a drafting arm whose first timing puts it under `clear_loss` of the plain
+rate at the acceptance seen so far), and a deeper arm is skipped when even at its cost
+floor its tokens could not beat the best rate so far: the floor is the cost of the arm
+before it, or the plain step's cost times the arm's cost ratio measured at the nearest
+smaller bucket (an arm that loses at batch 4 is not explored at batch 8). Then a
+neighbour of the best arm (the one timed longest ago) is re-timed `probe_every` cycles
+later, and again after twice as many cycles each time the best arm stays the same (up to
+`max_probe_every`; back to `probe_every` when it changes), so the choice follows changes
+in load and acceptance while a settled choice pays for almost no probes. The first
+drafting cycle after plain ones carries the head's deferred catch-up: it is not timed,
+and a drafting probe from plain runs two cycles.
 
 Invariant: any choice is lossless (the engine verifies exactly the drafts it is handed),
 and the choice is a function of the recorded timings and acceptance only. Under tensor
@@ -61,6 +63,7 @@ class PayoffSettings:
     decay: float = 0.998     # per-cycle decay of the acceptance counts
     prior: float = 2.0       # pseudo-counts of acceptance 1 per position (optimism before evidence)
     floor_slack: float = 0.8  # share of a smaller batch's extra cost of a depth assumed at a larger one
+    clear_loss: float = 0.9  # a depth below this share of the plain rate, all drafts accepted, is timed once
     log_every: int = 1000    # cycles between INFO summaries
 
 
@@ -153,9 +156,23 @@ class PayoffControl:
         return depth
 
     def cost(self, bucket: int, depth: int) -> float | None:
-        """Mean seconds of a cycle of `depth` at `bucket`, None before min_samples timings."""
+        """Mean seconds of a cycle of `depth` at `bucket`, None before min_samples timings
+        (one is enough for a drafting depth that loses clearly: _loses_clearly)."""
         samples = self.times.get((bucket, depth), ())
-        return sum(samples) / len(samples) if len(samples) >= self.settings.min_samples else None
+        if not samples:
+            return None
+        mean = sum(samples) / len(samples)
+        if len(samples) >= self.settings.min_samples or (depth and self._loses_clearly(bucket, depth, mean)):
+            return mean
+        return None
+
+    def _loses_clearly(self, bucket: int, depth: int, cost: float) -> bool:
+        """Whether `depth` at `cost` seconds a cycle delivers under `clear_loss` of the plain
+        step's rate at the acceptance measured so far: timing it twice more would cost more
+        than it could tell (a probe re-times it later)."""
+        plain = self.cost(bucket, 0)
+        tokens = self.acceptance.tokens_per_request(depth)
+        return plain is not None and tokens / cost < self.settings.clear_loss / plain
 
     def rate(self, bucket: int, batch: int, depth: int, cost: float | None = None) -> float | None:
         """Expected tokens per second of `depth` for `batch` requests (at `cost` seconds a
