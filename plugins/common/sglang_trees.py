@@ -1,6 +1,12 @@
-"""Draft trees in SGLang's verify layouts: retrieve links, tree-only and prefix-included masks.
+"""Draft trees in SGLang's verify layouts: retrieve links, tree-only and prefix-included
+masks, and a verify step's result in the tensors SGLang's bookkeeping reads.
 
 Engine-free (torch only): the SGLang adapter hands these to SGLang's TARGET_VERIFY pass.
+
+* ``tree_layout`` / ``batch_layout``: a tree's (or each request's) mask, depths and
+  retrieve links, as the adapter builds a verify batch from them; ``root_only_batch``
+  and ``ROOT_ONLY``: a plain decode step's.
+* ``accepted_outputs``: accept_index, predict and accept_tokens of a VerifyResult.
 
 * ``sglang_layout``: the retrieve links SGLang's tree acceptance walks.
 * ``flat_tree_masks``: the tree-only export, ``n x n`` per request (SGLang's ngram
@@ -21,10 +27,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-if TYPE_CHECKING:
-    from specplug.common.tree import DraftTree
+from specplug.common.tree import DraftTree, TreeBatch, ancestor_mask, tree_depths
 
-__all__ = ["sglang_layout", "flat_tree_masks", "prefix_included_masks", "mask_indptr"]
+if TYPE_CHECKING:
+    from specplug.common.verify_result import VerifyResult
+
+__all__ = ["sglang_layout", "flat_tree_masks", "prefix_included_masks", "mask_indptr", "tree_layout",
+           "batch_layout", "ROOT_ONLY", "root_only_batch", "accepted_outputs", "vocab_width"]
 
 
 def sglang_layout(parents: torch.Tensor, num_nodes: torch.Tensor | None = None):
@@ -87,3 +96,61 @@ def prefix_included_masks(tree_masks: torch.Tensor, seq_lens: torch.Tensor) -> t
     where = indptr[:-1, None, None] + rows[None, :, None] * width + seq_lens[:, None, None] + rows[None, None, :]
     flat[where.flatten()] = tree_masks.bool().flatten()  # [B, n, n] tree columns
     return flat
+
+
+def tree_layout(tree: DraftTree, device="cpu") -> dict[str, torch.Tensor]:
+    """One static tree's mask Bool [N, N], depths Long [N] and SGLang retrieve links [N],
+    on `device` (a worker caches the layouts of its static trees there)."""
+    _, next_token, next_sibling = sglang_layout(tree.parents)
+    layout = {"mask": tree.attention_mask(), "depth": tree.depth, "next_token": next_token,
+              "next_sibling": next_sibling}
+    return {name: t.to(device) for name, t in layout.items()}
+
+
+def batch_layout(trees: TreeBatch) -> dict[str, torch.Tensor]:
+    """Per-request trees' masks Bool [B, N, N], depths and retrieve links Long [B, N];
+    padding nodes attend only to themselves (depth 0) and are linked to nothing."""
+    real = torch.arange(trees.parents.shape[1]) < trees.num_nodes.cpu()[:, None]
+    parents = torch.where(real, trees.parents.cpu(), -1)
+    _, next_token, next_sibling = sglang_layout(parents, trees.num_nodes.cpu())
+    return {"mask": ancestor_mask(parents), "depth": tree_depths(parents), "next_token": next_token,
+            "next_sibling": next_sibling}
+
+
+ROOT_ONLY = tree_layout(DraftTree(torch.zeros(1, dtype=torch.long), torch.tensor([-1])))
+
+
+def vocab_width(q: torch.Tensor, vocab: int) -> torch.Tensor:
+    """q [B, N, V'] on the logits' vocabulary width: SGLang pads the LM head's rows, and
+    a drafter's q covers the tokenizer's vocabulary (padding columns get 0)."""
+    if q.shape[-1] >= vocab:
+        return q[..., :vocab]
+    return torch.nn.functional.pad(q, (0, vocab - q.shape[-1]))
+
+
+def root_only_batch(roots: torch.Tensor) -> TreeBatch:
+    """Every request verifies its root alone (n = 1): an ordinary decode step."""
+    bs = roots.shape[0]
+    return TreeBatch(roots[:, None], torch.full((bs, 1), -1, dtype=torch.long), torch.ones(bs, dtype=torch.long))
+
+
+def accepted_outputs(tree: TreeBatch, verdict: VerifyResult, device) -> tuple[torch.Tensor, ...]:
+    """A verify step's result as SGLang's bookkeeping reads it, on `device`: (accept_index
+    Int [B, n] flat node rows -1 padded, predict Int [B*n] the token emitted after each
+    accepted node, accept_tokens Int [B, n] the emitted tokens)."""
+    bs, n = tree.candidates.shape
+    path = verdict.accepted_nodes.to(device)  # [B, D+1], -1 padded
+    width = path.shape[1]
+    on_path = path >= 0
+    rows = torch.arange(bs, device=device)[:, None] * n
+    accept_index = torch.full((bs, n), -1, dtype=torch.int32, device=device)
+    accept_index[:, :width] = torch.where(on_path, rows + path, -1).to(torch.int32)
+    # token after path[j]: the token AT path[j + 1]; after the last accepted, the bonus
+    emitted = verdict.output_tokens(tree.candidates.to(verdict.accepted_nodes.device))  # [B, D+1], -1 padded
+    emitted = torch.where(on_path, emitted.to(device), 0)
+    accept_tokens = torch.zeros(bs, n, dtype=torch.int32, device=device)
+    accept_tokens[:, :width] = emitted.to(torch.int32)
+    predict = torch.zeros(bs * n, dtype=torch.int32, device=device)
+    kept = accept_index >= 0
+    predict[accept_index[kept].long()] = accept_tokens[kept]
+    return accept_index, predict, accept_tokens

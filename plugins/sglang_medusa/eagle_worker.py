@@ -47,7 +47,8 @@ from specplug.common.tree import DraftTree, TreeBatch, stack_trees
 from specplug.sglang_medusa import batch_view as view
 from specplug.sglang_medusa.settings import Eagle3Settings, eagle3_settings_from_server_args
 from specplug.sglang_medusa.token_worker import synced_drafter
-from specplug.sglang_medusa.tree_worker import TreeVerifyWorker, batch_layout
+from specplug.common.sglang_trees import batch_layout
+from specplug.sglang_medusa.tree_worker import TreeVerifyWorker
 
 logger = logging.getLogger(__name__)
 

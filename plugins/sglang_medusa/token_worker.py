@@ -25,7 +25,8 @@ from specplug.common.token_drafters import draft_or_roots
 from specplug.common.tree import TreeBatch
 from specplug.sglang_medusa import batch_view as view
 from specplug.sglang_medusa.settings import TokenDrafterSettings, token_settings_from_server_args
-from specplug.sglang_medusa.tree_worker import ROOT_ONLY, TreeVerifyWorker, batch_layout
+from specplug.common.sglang_trees import ROOT_ONLY, batch_layout
+from specplug.sglang_medusa.tree_worker import TreeVerifyWorker
 
 logger = logging.getLogger(__name__)
 

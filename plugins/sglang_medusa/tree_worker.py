@@ -46,8 +46,10 @@ from specplug.common.drafting.session import DraftingSession
 from specplug.common.metrics import AcceptanceStats
 from specplug.common.policy.throughput import CycleClock, PayoffControl
 from specplug.common.request_rules import apply_rules
-from specplug.common.sglang_trees import prefix_included_masks, sglang_layout
-from specplug.common.tree import DraftTree, TreeBatch, ancestor_mask, pad_batch, tree_depths
+from specplug.common.sglang_trees import (
+    ROOT_ONLY, accepted_outputs, batch_layout, prefix_included_masks, root_only_batch, vocab_width,
+)
+from specplug.common.tree import TreeBatch, pad_batch
 from specplug.common.verify_result import VerifyResult
 from specplug.common.verify_step import verify_step
 from specplug.sglang_medusa import batch_view as view
@@ -73,28 +75,6 @@ except ImportError as exc:  # pragma: no cover - import-time guard for engine-fr
 
 # SGLang 0.5.23 sampling backends whose sampler refuses per-request seeds (layers/sampler.py)
 SEEDLESS_SAMPLING_BACKENDS = ("flashinfer", "intel_xpu", "ascend")
-
-
-def tree_layout(tree: DraftTree, device="cpu") -> dict[str, torch.Tensor]:
-    """One static tree's mask Bool [N, N], depths Long [N] and SGLang retrieve links [N],
-    on `device` (a worker caches the layouts of its static trees there)."""
-    _, next_token, next_sibling = sglang_layout(tree.parents)
-    layout = {"mask": tree.attention_mask(), "depth": tree.depth, "next_token": next_token,
-              "next_sibling": next_sibling}
-    return {name: t.to(device) for name, t in layout.items()}
-
-
-def batch_layout(trees: TreeBatch) -> dict[str, torch.Tensor]:
-    """Per-request trees' masks Bool [B, N, N], depths and retrieve links Long [B, N];
-    padding nodes attend only to themselves (depth 0) and are linked to nothing."""
-    real = torch.arange(trees.parents.shape[1]) < trees.num_nodes.cpu()[:, None]
-    parents = torch.where(real, trees.parents.cpu(), -1)
-    _, next_token, next_sibling = sglang_layout(parents, trees.num_nodes.cpu())
-    return {"mask": ancestor_mask(parents), "depth": tree_depths(parents), "next_token": next_token,
-            "next_sibling": next_sibling}
-
-
-ROOT_ONLY = tree_layout(DraftTree(torch.zeros(1, dtype=torch.long), torch.tensor([-1])))
 
 
 class TreeVerifyWorker(BaseSpecWorker):
@@ -297,7 +277,7 @@ class TreeVerifyWorker(BaseSpecWorker):
         self._verified(tree, verdict, seconds)
         if self.payoff is not None:  # a request whose tree is shallower than the step's depth counts as rejected there
             self.payoff.verified([self.payoff.depth] * len(verdict.num_accepted), verdict.num_accepted.tolist())
-        accept_index, predict, accept_tokens = self._sglang_outputs(tree, verdict)
+        accept_index, predict, accept_tokens = accepted_outputs(tree, verdict, self.device)
         accept_lens = (verdict.num_accepted + 1).to(torch.int32)
         move_accept_tokens_to_target_kvcache(batch, accept_index, verdict.num_accepted.to(torch.int32),
                                              self.token_to_kv_pool_allocator)
@@ -374,9 +354,9 @@ class TreeVerifyWorker(BaseSpecWorker):
         logits = apply_rules(logits, rules_of(view.requests(batch)), tree.candidates, parents, rows)
         q = self._draft_q(batch, tree) if self.method != "typical" else None  # sampled drafts: their q
         if isinstance(q, dict):
-            q = {b: _vocab_width(rows.to(logits.device), logits.shape[-1]) for b, rows in q.items()}
+            q = {b: vocab_width(rows.to(logits.device), logits.shape[-1]) for b, rows in q.items()}
         elif q is not None:
-            q = _vocab_width(q.to(logits.device), logits.shape[-1])
+            q = vocab_width(q.to(logits.device), logits.shape[-1])
         verdict = verify_step(
             logits.view(bs, n, -1), tree.candidates, parents, num_nodes, view.request_sampling(batch),
             draft_probs=q, generator=self.generator, typical=self.method == "typical",
@@ -385,37 +365,3 @@ class TreeVerifyWorker(BaseSpecWorker):
         if self.stats.num_steps % 1000 < bs:
             logger.debug("specplug SGLang acceptance so far: %s", self.stats.as_dict())
         return verdict
-
-    def _sglang_outputs(self, tree: TreeBatch, verdict: VerifyResult):
-        """(accept_index Int [B, n] flat node rows -1 padded, predict Int [B*n] the token
-        emitted after each accepted node, accept_tokens Int [B, n] the emitted tokens)."""
-        bs, n = tree.candidates.shape
-        path = verdict.accepted_nodes.to(self.device)  # [B, D+1], -1 padded
-        width = path.shape[1]
-        on_path = path >= 0
-        rows = torch.arange(bs, device=self.device)[:, None] * n
-        accept_index = torch.full((bs, n), -1, dtype=torch.int32, device=self.device)
-        accept_index[:, :width] = torch.where(on_path, rows + path, -1).to(torch.int32)
-        # token after path[j]: the token AT path[j + 1]; after the last accepted, the bonus
-        emitted = verdict.output_tokens(tree.candidates.to(verdict.accepted_nodes.device))  # [B, D+1], -1 padded
-        emitted = torch.where(on_path, emitted.to(self.device), 0)
-        accept_tokens = torch.zeros(bs, n, dtype=torch.int32, device=self.device)
-        accept_tokens[:, :width] = emitted.to(torch.int32)
-        predict = torch.zeros(bs * n, dtype=torch.int32, device=self.device)
-        kept = accept_index >= 0
-        predict[accept_index[kept].long()] = accept_tokens[kept]
-        return accept_index, predict, accept_tokens
-
-
-def _vocab_width(q: torch.Tensor, vocab: int) -> torch.Tensor:
-    """q [B, N, V'] on the logits' vocabulary width: SGLang pads the LM head's rows, and
-    a drafter's q covers the tokenizer's vocabulary (padding columns get 0)."""
-    if q.shape[-1] >= vocab:
-        return q[..., :vocab]
-    return torch.nn.functional.pad(q, (0, vocab - q.shape[-1]))
-
-
-def root_only_batch(roots: torch.Tensor) -> TreeBatch:
-    """Every request verifies its root alone (n = 1): an ordinary decode step."""
-    bs = roots.shape[0]
-    return TreeBatch(roots[:, None], torch.full((bs, 1), -1, dtype=torch.long), torch.ones(bs, dtype=torch.long))

@@ -43,7 +43,8 @@ from specplug.common.tree import DraftTree, TreeBatch, TreeConfig
 from specplug.sglang_medusa import batch_view as view
 from specplug.sglang_medusa.settings import MedusaSettings, settings_from_server_args
 from specplug.sglang_medusa.token_worker import synced_drafter
-from specplug.sglang_medusa.tree_worker import ROOT_ONLY, TreeVerifyWorker, batch_layout, root_only_batch, tree_layout
+from specplug.common.sglang_trees import ROOT_ONLY, batch_layout, root_only_batch, tree_layout
+from specplug.sglang_medusa.tree_worker import TreeVerifyWorker
 
 logger = logging.getLogger(__name__)
 

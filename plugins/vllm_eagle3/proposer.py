@@ -28,7 +28,6 @@ import time
 import torch
 from vllm.v1.spec_decode.eagle import EagleProposer
 
-from specplug.vllm_eagle3.adaptive import AdaptiveController, StepClock
 from specplug.vllm_eagle3.ranks import tp_ranks
 from specplug.vllm_eagle3.dense_head import DenseEagle1Head, DenseEagle3Head, use_quantized_weights
 from specplug.vllm_eagle3.runner_state import RunnerState
@@ -46,6 +45,7 @@ from specplug.common.drafting.engine_layers import EngineTarget
 from specplug.common.drafting.sampled import SampledDrafts
 from specplug.common.drafting.session import DraftingSession
 from specplug.common.path_choice import best_chains
+from specplug.common.policy.adaptive_chains import ChainAdaptiveController, StepClock
 from specplug.common.policy.calibration import HybridScale
 from specplug.common.policy.draft_gate import DraftGate
 from specplug.common.policy.throughput import CycleClock, PayoffControl
@@ -75,9 +75,9 @@ class SpecplugEagleProposer(EagleProposer):
         if self.specplug.stage == "tree":
             from specplug.vllm_eagle3.tree_platform import check_platform
             check_platform(vllm_config)
-        self.adaptive: AdaptiveController | None = None
+        self.adaptive: ChainAdaptiveController | None = None
         if self.specplug.adaptive:
-            self.adaptive = AdaptiveController(self.num_speculative_tokens)
+            self.adaptive = ChainAdaptiveController(self.num_speculative_tokens, ranks=self.ranks)
             logger.info("specplug adaptive speculation on: each step drafts 0..%d tokens, chosen by "
                         "specplug.common.policy.cost from step costs and acceptance measured in this engine",
                         self.num_speculative_tokens)

@@ -7,6 +7,7 @@ import torch
 from specplug.common.policy.adaptive import (
     AdaptiveController, AdaptiveSettings, Timings, pinned_costs, tree_option,
 )
+from specplug.common.policy.adaptive_chains import ChainAdaptiveController
 from specplug.common.policy.cost import (
     Curve, SpecOption, StepCosts, chain_expected_tokens, tree_depth_alphas, tree_expected_tokens,
 )
@@ -205,3 +206,28 @@ def test_option_families_live_in_the_core():
     assert [(c.depth, c.budget) for c in tree_family(TreeConfig(depth=3, topk=1, budget=9))] == [(1, 1), (2, 2), (3, 3)]
     assert TreeConfig(depth=2, topk=2, budget=10).static_nodes == 6
     assert TreeConfig(depth=3, topk=1, budget=9).static_nodes == 3
+
+
+def test_verify_results_feed_the_acceptance_tracker():
+    """Depth d of a chain counts as tried when all shallower drafts were accepted."""
+    adaptive = ChainAdaptiveController(3)
+    adaptive.record_verify([3, 3, 0], torch.tensor([3, 0, 0]))  # the 0-draft request is ignored
+    option = adaptive.options[2]
+    tried, accepted = adaptive.tracker._tried[option], adaptive.tracker._accepted[option]
+    assert tried.tolist() == [2.0, 1.0, 1.0]
+    assert accepted.tolist() == [1.0, 1.0, 1.0]
+
+
+def test_controller_explores_upwards_then_uses_the_model():
+    """A chain engine's calls drive the shared controller:
+    nothing measured -> a plain step; then one size up at the optimistic cost; once the
+    timings show a linear verify cost and dear drafts, no speculation."""
+    adaptive = ChainAdaptiveController(2)
+    assert adaptive.choose_depth(1) == 0
+    adaptive.verify_timed(1, 1.0)  # a plain step of 1 token was timed
+    assert adaptive.choose_depth(1) == 1
+    for tokens in (1, 2, 3):  # batch 1 at depths 0, 1, 2
+        adaptive.verify_timed(tokens, float(tokens))  # linear verify cost
+    adaptive.draft_timed(1, 1, 10.0)
+    assert adaptive.choose_depth(1) == 0  # linear verify, dear drafts: no speculation
+    assert adaptive.depth_counts == {0: 2, 1: 1}

@@ -67,3 +67,25 @@ def test_prefix_included_masks_match_per_request_blocks(requests, extra):
         assert torch.equal(block[:t.num_nodes, s:s + t.num_nodes], t.attention_mask())
         pad = block[t.num_nodes:]  # padding nodes: the prefix and themselves only
         assert pad[:, :s].all() and torch.equal(pad[:, s:], torch.eye(n, dtype=torch.bool)[t.num_nodes:])
+
+
+def test_accepted_outputs_in_sglang_bookkeeping():
+    """Two requests, trees of 3 nodes (root; request 0 a chain 0-1-2, request 1 two
+    children of the root): request 0 accepts both drafts, request 1 its second child only.
+    accept_index holds flat node rows, predict the token emitted after each accepted node
+    (the next accepted node's token, then the bonus), accept_tokens what each request emits."""
+    from specplug.common.verify_result import VerifyResult
+
+    trees = T.TreeBatch(torch.tensor([[5, 6, 7], [8, 9, 10]]), torch.tensor([[-1, 0, 1], [-1, 0, 0]]),
+                        torch.tensor([3, 3]))
+    verdict = VerifyResult(torch.tensor([[0, 1, 2], [0, 2, -1]]), torch.tensor([2, 1]), torch.tensor([70, 71]))
+    accept_index, predict, accept_tokens = S.accepted_outputs(trees, verdict, "cpu")
+    assert accept_index.tolist() == [[0, 1, 2], [3, 5, -1]]
+    assert accept_tokens.tolist() == [[6, 7, 70], [10, 71, 0]]
+    assert predict.tolist() == [6, 7, 70, 10, 0, 71]
+
+
+def test_root_only_batch_is_a_plain_decode_step():
+    batch = S.root_only_batch(torch.tensor([4, 9]))
+    assert batch.candidates.tolist() == [[4], [9]] and batch.parents.tolist() == [[-1], [-1]]
+    assert S.ROOT_ONLY["mask"].tolist() == [[True]] and S.ROOT_ONLY["next_token"].tolist() == [-1]

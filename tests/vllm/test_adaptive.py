@@ -10,7 +10,7 @@ pytest.importorskip("vllm", reason="needs the vLLM environment: bash scripts/tes
 
 from specplug.common.drafting.eagle import EagleDrafting
 from specplug.common.policy.cost import AcceptanceTracker, AdaptiveConfig, Curve, StepCosts
-from specplug.vllm_eagle3.adaptive import AdaptiveController
+from specplug.common.policy.adaptive_chains import ChainAdaptiveController
 from specplug.vllm_eagle3.dense_head import DenseEagle3Head
 from specplug.vllm_eagle3.settings import adapter_settings
 from tests.vllm.conftest import NUM_SPEC_TOKENS, PROMPTS, SPECPLUG_CHAIN, SPECPLUG_TREE, drafter_of
@@ -39,7 +39,7 @@ def token_ids(llm, prompts):
     return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, greedy(), use_tqdm=False)]
 
 
-def controller(llm) -> AdaptiveController:
+def controller(llm) -> ChainAdaptiveController:
     adaptive = drafter_of(llm).adaptive
     assert adaptive is not None, "the head's specplug section says adaptive: true"
     return adaptive
@@ -116,31 +116,6 @@ def test_forced_largest_option_drafts_full_depth(engine, target, adaptive_head):
     assert set(counts) == {NUM_SPEC_TOKENS}
     assert set(widths) == {NUM_SPEC_TOKENS}
     assert spec == token_ids(engine(target), prompts)
-
-
-def test_verify_results_feed_the_acceptance_tracker():
-    """Depth d of a chain counts as tried when all shallower drafts were accepted."""
-    adaptive = AdaptiveController(3)
-    adaptive.record_verify([3, 3, 0], torch.tensor([3, 0, 0]))  # the 0-draft request is ignored
-    option = adaptive.options[2]
-    tried, accepted = adaptive.tracker._tried[option], adaptive.tracker._accepted[option]
-    assert tried.tolist() == [2.0, 1.0, 1.0]
-    assert accepted.tolist() == [1.0, 1.0, 1.0]
-
-
-def test_controller_explores_upwards_then_uses_the_model():
-    """The proposer's calls drive the shared controller (tests/common/test_adaptive.py):
-    nothing measured -> a plain step; then one size up at the optimistic cost; once the
-    timings show a linear verify cost and dear drafts, no speculation."""
-    adaptive = AdaptiveController(2)
-    assert adaptive.choose_depth(1) == 0
-    adaptive.verify_timed(1, 1.0)  # a plain step of 1 token was timed
-    assert adaptive.choose_depth(1) == 1
-    for tokens in (1, 2, 3):  # batch 1 at depths 0, 1, 2
-        adaptive.verify_timed(tokens, float(tokens))  # linear verify cost
-    adaptive.draft_timed(1, 1, 10.0)
-    assert adaptive.choose_depth(1) == 0  # linear verify, dear drafts: no speculation
-    assert adaptive.depth_counts == {0: 2, 1: 1}
 
 
 def test_bench_adaptive_head_copy_says_adaptive(specplug_head):
