@@ -10,6 +10,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from .hooks import drafters, get_drafter
+from .retrieval.config import retrieval_fields, retrieval_override
 from .token_drafters import TokenDrafter
 
 ENV_DRAFTER = "SPECPLUG_DRAFTER"  # a registered drafter's name, or {"name": ..., its fields}; "0" = off
@@ -61,8 +63,6 @@ def drafter_choice(section: Mapping[str, Any], environ: Mapping[str, str] = os.e
     """The token drafter a head's `specplug` section asks for, or None: SPECPLUG_DRAFTER
     if set, else SPECPLUG_RETRIEVAL / the section's "retrieval" (the built-in retrieval
     drafter: true or an object of its fields), else the section's "drafter"."""
-    from .retrieval.config import retrieval_fields, retrieval_override
-
     env = env_choice(environ)
     if env is not None:
         return env or None
@@ -77,8 +77,6 @@ def drafter_choice(section: Mapping[str, Any], environ: Mapping[str, str] = os.e
 
 def drafter_class(name: str):
     """The class registered as drafter `name` (ValueError lists the registered ones)."""
-    from .hooks import get_drafter
-
     return get_drafter(name)
 
 
@@ -107,6 +105,4 @@ def bind_target(drafter: TokenDrafter, target) -> None:
 
 def token_drafter_names() -> list[str]:
     """Registered drafters that speak TokenDrafter (a from_settings classmethod)."""
-    from .hooks import drafters
-
     return sorted(name for name, obj in drafters().items() if callable(getattr(obj, "from_settings", None)))
