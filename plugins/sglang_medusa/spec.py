@@ -11,9 +11,20 @@ pass's mask.
 
 from __future__ import annotations
 
+import json
 import logging
+from pathlib import Path
 
+from specplug.common import formats
 from specplug.sglang_medusa.attention_backends import check_attention_backends, server_attention_backends
+from specplug.sglang_medusa.settings import (
+    eagle3_settings_from_server_args, settings_from_server_args, token_settings_from_server_args,
+)
+
+try:  # SGLang is present whenever SGLang's plugin loader or a worker imports this module
+    from sglang.srt.arg_groups.overrides import resolving_view
+except ImportError as exc:  # pragma: no cover - import-time guard for engine-free installs
+    raise ImportError("specplug.sglang_medusa needs SGLang 0.5.23: pip install 'specplug[sglang]'") from exc
 
 logger = logging.getLogger(__name__)
 
@@ -24,10 +35,6 @@ TOKEN_ALGORITHMS: set[str] = set()  # token drafters registered by this process 
 
 def validate_server_args(server_args) -> None:
     """Reject bad MEDUSA arguments before any model loads (runs in the launching process)."""
-    from sglang.srt.arg_groups.overrides import resolving_view
-
-    from specplug.sglang_medusa.settings import settings_from_server_args
-
     cfg = resolving_view(server_args)
     settings = settings_from_server_args(cfg, adaptive_arg=bool(getattr(server_args, "speculative_adaptive", False)))
     _check_backend(cfg)
@@ -49,20 +56,12 @@ def _check_backend(cfg, algorithm: str = NAME) -> None:
 
 def _check_heads_against_target(heads_path: str, model_path: str) -> None:
     """Shapes, dtypes and vocab of the heads against the target's config.json (specplug.common.formats)."""
-    from pathlib import Path
-
-    from specplug.common import formats
-
     if model_path and (Path(model_path) / "config.json").is_file():
         formats.load_head(heads_path, target_config=model_path)
 
 
 def handle_server_args(server_args) -> None:
     """Fill the arguments MEDUSA decides: node count from the tree, synchronous schedule."""
-    from sglang.srt.arg_groups.overrides import resolving_view
-
-    from specplug.sglang_medusa.settings import settings_from_server_args
-
     cfg = resolving_view(server_args)
     settings = settings_from_server_args(cfg)
     given = cfg.speculative_num_draft_tokens
@@ -77,11 +76,6 @@ def handle_server_args(server_args) -> None:
 
 def validate_eagle3_args(server_args) -> None:
     """Reject bad SPECPLUG_EAGLE3 arguments before any model loads (runs in the launching process)."""
-    from sglang.srt.arg_groups.overrides import resolving_view
-
-    from specplug.common import formats
-    from specplug.sglang_medusa.settings import eagle3_settings_from_server_args
-
     cfg = resolving_view(server_args)
     settings = eagle3_settings_from_server_args(cfg)
     _check_backend(cfg, EAGLE3)
@@ -94,10 +88,6 @@ def validate_eagle3_args(server_args) -> None:
 
 def handle_eagle3_args(server_args) -> None:
     """Fill the arguments the tree decides: the most nodes a step verifies, synchronous schedule."""
-    from sglang.srt.arg_groups.overrides import resolving_view
-
-    from specplug.sglang_medusa.settings import eagle3_settings_from_server_args
-
     cfg = resolving_view(server_args)
     settings = eagle3_settings_from_server_args(cfg)
     server_args.speculative_num_draft_tokens = settings.num_nodes
@@ -108,8 +98,6 @@ def handle_eagle3_args(server_args) -> None:
 
 def validate_token_args(server_args) -> None:
     """Reject bad token-drafter arguments before any model loads (runs in the launching process)."""
-    from sglang.srt.arg_groups.overrides import resolving_view
-
     cfg = resolving_view(server_args)
     settings = _token_settings(cfg)
     _check_backend(cfg, str(cfg.speculative_algorithm))
@@ -120,8 +108,6 @@ def validate_token_args(server_args) -> None:
 
 def handle_token_args(server_args) -> None:
     """Fill the arguments a token drafter decides: the most nodes a tree may have, synchronous schedule."""
-    from sglang.srt.arg_groups.overrides import resolving_view
-
     cfg = resolving_view(server_args)
     settings = _token_settings(cfg)
     server_args.speculative_num_draft_tokens = settings.num_nodes
@@ -131,8 +117,6 @@ def handle_token_args(server_args) -> None:
 
 
 def _token_settings(cfg):
-    from specplug.sglang_medusa.settings import token_settings_from_server_args
-
     return token_settings_from_server_args(str(cfg.speculative_algorithm).lower(), cfg)
 
 
@@ -177,9 +161,6 @@ def handle_args(algorithm: str, server_args) -> None:
 
 def _medusa_heads_config(path) -> dict | None:
     """The config.json of a Medusa heads folder (FasterDecoding: no model_type), else None."""
-    import json
-    from pathlib import Path
-
     config_file = Path(str(path)) / "config.json"
     if not config_file.is_file():
         return None
