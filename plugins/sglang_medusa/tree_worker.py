@@ -1,8 +1,9 @@
 """What every specplug drafter needs from SGLang 0.5.23: tree verification in its scheduler.
 
 `TreeVerifyWorker` is the synchronous speculative worker shell; a drafter's worker
-(MEDUSA: worker.MedusaWorker, RETRIEVAL: retrieval_worker.RetrievalWorker) supplies
-only the drafting: `_draft` (a TreeBatch and its layout), `_prefilled` and `_commit`
+(MEDUSA: worker.MedusaWorker, SPECPLUG_EAGLE3: eagle_worker.Eagle3Worker, RETRIEVAL and
+every token drafter: token_worker.TokenDrafterWorker) supplies only the drafting:
+`_draft` (a TreeBatch and its layout, common.sglang_trees), `_prefilled` and `_commit`
 (what the drafter keeps), `note_request_finished` / `clear_cache_pool`. One decode
 step for B requests:
 
