@@ -42,6 +42,12 @@ def output_ids(req) -> list[int]:
     return req.output_ids
 
 
+def max_live(cfg) -> int:
+    """Requests a worker keeps drafting state for before it frees the ones SGLang never
+    reported finished (drafting.session.stale_requests): twice --max-running-requests."""
+    return 2 * int(cfg.max_running_requests or 48)
+
+
 def last_tokens(batch) -> list[int]:
     """Each request's last committed token (the root of its next tree)."""
     return [req.output_ids[-1] if req.output_ids else req.origin_input_ids[-1] for req in batch.reqs]

@@ -42,7 +42,7 @@ from specplug.common.drafting.eagle import Committed, EagleDrafting, Root
 from specplug.common.quantization import head_linears
 from specplug.common.drafting.runner import TorchHeadRunner
 from specplug.common.drafting.sampled import SampledDrafts, sampled_tree
-from specplug.common.drafting.session import DraftingSession, in_batch_order
+from specplug.common.drafting.session import DraftingSession, in_batch_order, stale_requests
 from specplug.common.tree import DraftTree, TreeBatch, stack_trees
 from specplug.sglang_medusa import batch_view as view
 from specplug.sglang_medusa.settings import Eagle3Settings, eagle3_settings_from_server_args
@@ -83,8 +83,7 @@ class Eagle3Worker(TreeVerifyWorker):
         head = self._load_head()
         self.drafting = EagleDrafting(TorchHeadRunner(head))
         self.roots: dict[str, Root] = {}  # each request's last catch-up
-        # requests SGLang never reported finished (e.g. done at prefill, aborted) are dropped beyond this
-        self.max_live = 2 * int(cfg.max_running_requests or 48)
+        self.max_live = view.max_live(cfg)  # requests SGLang never reported finished are dropped beyond this
         self.sampled_tree = sampled_tree(self.settings.tree)
         if self.settings.drafter is not None:
             self.token_drafts = synced_drafter(self.settings.drafter, cfg, self.model_runner)
@@ -189,11 +188,9 @@ class Eagle3Worker(TreeVerifyWorker):
     def _forget_stale(self, current: set) -> None:
         """Bound the head state: SGLang reports only requests that finish in a decode
         step, so one that ends at prefill (one-token answers, an early stop, an abort) is
-        never reported. Past max_live, requests not in this batch are freed (one that
-        comes back verifies its root alone until its next catch-up)."""
-        if len(self.roots) <= self.max_live:
-            return
-        stale = [rid for rid in self.roots if rid not in current]
+        never reported (one freed that comes back verifies its root alone until its next
+        catch-up)."""
+        stale = stale_requests(self.roots, current, self.max_live)
         self.drafting.free(stale)
         for rid in stale:
             self.roots.pop(rid)

@@ -21,6 +21,7 @@ from sglang.srt.arg_groups.overrides import resolving_view
 
 from specplug.common import drafter_registry
 from specplug.common.drafting.engine_layers import EngineTarget
+from specplug.common.drafting.session import stale_requests
 from specplug.common.token_drafters import draft_or_roots
 from specplug.common.tree import TreeBatch
 from specplug.sglang_medusa import batch_view as view
@@ -62,12 +63,9 @@ class SyncedTokenDrafter:
         self.drafter.clear_cache()
 
     def _forget_stale(self, rids: list) -> None:
-        """Bound the live requests: past max_live, those not in this batch are freed (one
-        that comes back is synced from SGLang's tokens again)."""
-        if len(self.drafter.live) <= self.max_live:
-            return
-        current = set(rids)
-        for rid in [r for r in self.drafter.live if r not in current]:
+        """Bound the live requests (stale_requests; one that comes back is synced from
+        SGLang's tokens again)."""
+        for rid in stale_requests(list(self.drafter.live), rids, self.max_live):
             self.drafter.free(rid)
 
 
@@ -76,7 +74,7 @@ def synced_drafter(choice, cfg, model_runner) -> SyncedTokenDrafter:
     bound to the target `model_runner` loaded (self_spec drafts with its layers)."""
     drafter = drafter_registry.build(choice, view.vocab_size(model_runner))
     drafter_registry.bind_target(drafter, engine_target(model_runner))
-    return SyncedTokenDrafter(drafter, 2 * int(cfg.max_running_requests or 48))
+    return SyncedTokenDrafter(drafter, view.max_live(cfg))
 
 
 def engine_target(model_runner) -> EngineTarget:

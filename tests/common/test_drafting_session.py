@@ -124,3 +124,13 @@ def test_in_batch_order_puts_each_part_at_its_rows():
     out = in_batch_order([([1], a), ([0, 2], b)], 3)
     assert out.candidates[:, 0].tolist() == [8, 7, 9]
     assert out.num_nodes.tolist() == [3, 2, 1]
+
+
+def test_stale_requests_are_freed_only_past_the_bound():
+    """Up to max_live held requests nothing is freed; past it, every held request missing
+    from the step's batch is (negative control: at the bound, none)."""
+    from specplug.common.drafting.session import stale_requests
+
+    assert stale_requests(["a", "b", "c"], ["a"], max_live=3) == []
+    assert stale_requests(["a", "b", "c", "d"], ["a", "c"], max_live=3) == ["b", "d"]
+    assert stale_requests({"a": 1, "b": 2}, {"b"}, max_live=1) == ["a"]

@@ -78,6 +78,17 @@ class StepRecord:
         return rows
 
 
+def stale_requests(held, current, max_live: int) -> list:
+    """Requests to free for an engine that does not report every finished request (one
+    that ends at prefill, an abort): past `max_live` held, every held one not in `current`
+    (the step's batch, which holds every running request). One that comes back starts
+    over from the engine's tokens; drafts stay verified, so this costs acceptance only."""
+    if len(held) <= max_live:
+        return []
+    current = set(current)
+    return [rid for rid in held if rid not in current]
+
+
 def in_batch_order(parts: Sequence[tuple[list[int], TreeBatch]], batch: int) -> TreeBatch:
     """One TreeBatch of `batch` requests from (rows, trees of those rows) parts covering
     every row once (draft_probs dropped: drawn drafts travel in the StepRecord)."""
