@@ -65,7 +65,7 @@ class SyncedTokenDrafter:
     def _forget_stale(self, rids: list) -> None:
         """Bound the live requests (stale_requests; one that comes back is synced from
         SGLang's tokens again)."""
-        for rid in stale_requests(list(self.drafter.live), rids, self.max_live):
+        for rid in stale_requests(self.drafter.live, rids, self.max_live):
             self.drafter.free(rid)
 
 

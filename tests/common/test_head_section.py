@@ -25,11 +25,6 @@ def value(section=None, environ=None, name="", **kw):
 # -- defaults -----------------------------------------------------------------------------
 
 
-def weights(section, environ):
-    """The head weights format the head section's schema settles on."""
-    return hs.parse(section, environ).settings.head_weights
-
-
 def test_no_section_gives_every_default_with_source_default():
     parsed = parse(None, {})
     assert parsed.settings == HeadSettings()
@@ -294,4 +289,4 @@ def test_read_section(tmp_path):
 
 
 def test_the_older_int8_switch_reads_as_head_weights():
-    assert weights({"head_int8": True}, {}) == "int8"
+    assert value({"head_int8": True}, {}, "head_weights") == ("int8", "config.json")

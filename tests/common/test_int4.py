@@ -10,12 +10,7 @@ import torch
 
 from specplug.common import head_section
 from specplug.common.quantization import head_linears, int4
-from tests.common.test_int8 import _head, _logits
-
-
-def weights(section, environ):
-    """The head weights format the head section's schema settles on."""
-    return head_section.parse(section, environ).settings.head_weights
+from tests.common.test_int8 import _head, _logits, weights
 
 
 def test_quantize_is_within_half_a_step_per_group():

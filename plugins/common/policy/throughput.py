@@ -63,7 +63,7 @@ class PayoffSettings:
     decay: float = 0.998     # per-cycle decay of the acceptance counts
     prior: float = 2.0       # pseudo-counts of acceptance 1 per position (optimism before evidence)
     floor_slack: float = 0.8  # share of a smaller batch's extra cost of a depth assumed at a larger one
-    clear_loss: float = 0.9  # a depth below this share of the plain rate, all drafts accepted, is timed once
+    clear_loss: float = 0.9  # a depth whose first timing is below this share of the plain rate is timed once
     log_every: int = 1000    # cycles between INFO summaries
 
 
