@@ -214,11 +214,23 @@ def identical_to_none(results: Sequence[RunResult]) -> list[float | None]:
 
 
 def add_speedups(rows: list[dict]) -> None:
-    """speedup = tok/s over the same engine's `none` run at the same batch size."""
-    base = {(r["engine"], r["batch_size"]): r["tok_per_s"] for r in rows if r["method"] == "none"}
+    """speedup = tok/s over the same engine's `none` run at the same batch size;
+    round_speedups (interleaved runs) = the same ratio per round (round_speedups)."""
+    base = {(r["engine"], r["batch_size"]): r for r in rows if r["method"] == "none"}
     for r in rows:
         ref = base.get((r["engine"], r["batch_size"]))
-        r["speedup"] = r["tok_per_s"] / ref if ref else None
+        r["speedup"] = r["tok_per_s"] / ref["tok_per_s"] if ref and ref["tok_per_s"] else None
+        r["round_speedups"] = round_speedups(r, ref) if ref is not None and r is not ref else None
+
+
+def round_speedups(row: dict, none: dict) -> list[float] | None:
+    """Per interleaved round, the row's tok/s over `none`'s in the same round: the same
+    prompts, run back to back, so their spread shows how far the host's noise moves one
+    ratio. None without rounds (or with a round that timed nothing)."""
+    pairs = list(zip(row.get("rounds") or [], none.get("rounds") or []))
+    if not pairs or len(pairs) != len(row["rounds"]) or any(s <= 0 or bs <= 0 or bt <= 0 for (_, s), (bt, bs) in pairs):
+        return None
+    return [(t / s) / (bt / bs) for (t, s), (bt, bs) in pairs]
 
 
 def _meta(args: argparse.Namespace, batch_sizes: list[int]) -> dict:
@@ -253,9 +265,15 @@ def markdown(report: dict) -> str:
         share = "-"
         if r["draft_seconds"] is not None and r["verify_seconds"] is not None and r["seconds"]:
             share = f"{r['draft_seconds'] / r['seconds']:.0%} / {r['verify_seconds'] / r['seconds']:.0%}"
+        spread = r.get("round_speedups")
+        speedup = _fmt(r["speedup"], ".2f") + "x" + (f" ({min(spread):.2f}-{max(spread):.2f})" if spread else "")
         lines.append(f"| {r['engine']} | {r['batch_size']} | {r['method']} | {r['tok_per_s']:.1f} | "
-                     f"{_fmt(r['speedup'], '.2f')}x | {_fmt(r['tau'], '.2f')} | {pos} | {share} | "
+                     f"{speedup} | {_fmt(r['tau'], '.2f')} | {pos} | {share} | "
                      f"{_fmt(r.get('identical_to_none'), '.0%')} |")
+    if any(r.get("round_speedups") for r in report["results"]):
+        lines += ["", "speed-up (a-b): the lowest and highest of the per-round ratios (each round runs the method "
+                      "and none on the same prompts, back to back); a speed-up inside the range that holds 1.00 "
+                      "is not told apart from no change by this run."]
     return "\n".join(lines)
 
 
@@ -271,10 +289,15 @@ def plot(report: dict, path: Path) -> None:
     cycle = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     color = {key: cycle[i % len(cycle)] for i, key in enumerate(keys)}  # same colour in both panels
     for key in keys:
-        pts = sorted((r["batch_size"], r["speedup"]) for r in rows
+        pts = sorted((r["batch_size"], r["speedup"], r.get("round_speedups")) for r in rows
                      if (r["engine"], r["method"]) == key and r["speedup"] is not None)
         if pts:
-            left.plot(*zip(*pts), marker="o", color=color[key], label=f"{key[0]} {key[1]}")
+            left.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", color=color[key],
+                      label=f"{key[0]} {key[1]}")
+        spread = [(b, s, min(rs), max(rs)) for b, s, rs in pts if rs]
+        if spread:  # interleaved rounds: the lowest and highest per-round ratio
+            left.errorbar([p[0] for p in spread], [p[1] for p in spread], fmt="none", ecolor=color[key], capsize=3,
+                          yerr=[[s - lo for _, s, lo, _ in spread], [hi - s for _, s, _, hi in spread]])
     left.axhline(1.0, color="grey", lw=0.8, ls="--")
     batches = sorted({r["batch_size"] for r in rows}) or [1]
     left.set_xscale("log", base=2)

@@ -251,19 +251,21 @@ def sglang_plan(head: formats.LoadedHead, target: str | None) -> dict:
     path = head.path
     try:
         if head.method == "medusa":
-            settings = ss.settings_from_server_args(args, environ=os.environ)
-            plan["path"] = f"a Medusa tree of {settings.num_nodes - 1} nodes, {settings.verification} verification"
+            settings = ss.medusa_settings(args, environ=os.environ)
+            nodes = ss.medusa_nodes(settings)
+            plan["path"] = f"a Medusa tree of {nodes - 1} nodes, {settings.verification.method} verification"
             if head.extra.get("compact"):
                 path = "MEDUSA_HEADS"
                 plan["notes"].append(f"SGLang loads the FasterDecoding folder: specplug convert {head.path} "
                                      f"MEDUSA_HEADS --to medusa --target {target or 'MODEL_DIR'}")
         else:
-            settings = ss.eagle3_settings_from_server_args(args, os.environ)
+            settings = ss.eagle3_settings(args, os.environ)
             plan["notes"] += _common_notes(settings.drafter, settings.head_weights, head, target)
             tree = settings.tree
+            nodes = tree.budget + 1
             plan["path"] = (f"EAGLE-2 dynamic trees (depth {tree.depth}, topk {tree.topk}, "
                             f"budget {tree.budget}), verified whole")
-        plan["num_speculative_tokens"] = settings.num_nodes  # --speculative-num-draft-tokens (root included)
+        plan["num_speculative_tokens"] = nodes  # --speculative-num-draft-tokens (root included)
     except (ValueError, TypeError) as exc:
         plan["refused"] = str(exc)
         return plan

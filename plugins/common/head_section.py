@@ -402,6 +402,12 @@ def flag(section: Mapping, key: str, environ: Mapping[str, str], env: str, what:
     return default if found is None else found.value
 
 
+def payoff_flag(environ: Mapping[str, str] = os.environ) -> bool:
+    """"payoff" for a drafter without a head section (SGLang's token drafters): on unless
+    SPECPLUG_PAYOFF turns it off, checked as for a head."""
+    return flag({}, "payoff", environ, ENV_PAYOFF, "payoff control", default=True)
+
+
 def _tree(section: Mapping, environ: Mapping[str, str], arguments: Mapping[str, Argument]) -> dict[str, Value]:
     file = section.get("tree")
     if file is None:

@@ -32,20 +32,19 @@ acceptance only).
 from __future__ import annotations
 
 import logging
-from typing import NamedTuple
-
 import torch
 from sglang.srt.arg_groups.overrides import resolving_view
 from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode
 
-from specplug.common.drafting.eagle import Committed, EagleDrafting, Root
+from specplug.common.drafting.eagle import Committed, EagleDrafting, HeldRoots
 from specplug.common.quantization import head_linears
 from specplug.common.drafting.runner import TorchHeadRunner
 from specplug.common.drafting.sampled import SampledDrafts, sampled_tree
-from specplug.common.drafting.session import DraftingSession, in_batch_order, stale_requests
+from specplug.common.drafting.session import DraftingSession, in_batch_order
 from specplug.common.tree import DraftTree, TreeBatch, stack_trees
 from specplug.sglang_medusa import batch_view as view
-from specplug.sglang_medusa.settings import Eagle3Settings, eagle3_settings_from_server_args
+from specplug.common.head_section import HeadSettings
+from specplug.sglang_medusa.settings import eagle3_settings
 from specplug.sglang_medusa.token_worker import synced_drafter
 from specplug.common.sglang_trees import batch_layout
 from specplug.sglang_medusa.tree_worker import TreeVerifyWorker
@@ -79,36 +78,36 @@ class Eagle3Worker(TreeVerifyWorker):
     def __init__(self, server_args, gpu_id: int, nccl_port: int, target_worker):
         cfg = resolving_view(server_args)
         super().__init__(server_args, target_worker, int(cfg.speculative_num_draft_tokens))
-        self.settings: Eagle3Settings = eagle3_settings_from_server_args(cfg)
+        self.head_path = str(cfg.speculative_draft_model_path)
+        self.settings: HeadSettings = eagle3_settings(cfg)
         head = self._load_head()
         self.drafting = EagleDrafting(TorchHeadRunner(head))
-        self.roots: dict[str, Root] = {}  # each request's last catch-up
-        self.max_live = view.max_live(cfg)  # requests SGLang never reported finished are dropped beyond this
+        self.roots = HeldRoots(self.drafting, view.max_live(cfg))  # each request's last catch-up
         self.sampled_tree = sampled_tree(self.settings.tree)
         if self.settings.drafter is not None:
             self.token_drafts = synced_drafter(self.settings.drafter, cfg, self.model_runner)
         self.session = DraftingSession(
             self.drafting, token_drafter=None if self.token_drafts is None else self.token_drafts.drafter,
             sampled=SampledDrafts(self.settings.draft_temperature))
-        self._start_payoff(self.settings.tree.depth)
+        self._start_payoff(self.settings.tree.depth, self.settings.payoff)
         feature = "the target's final hidden state"
         if head.KIND == "EAGLE-3":
             layers = head.config.resolved_aux_layer_ids(view.target_config(self.model_runner).num_hidden_layers)
             capture_aux_states(view.target_model(self.model_runner), layers)
             feature = f"aux layers {list(layers)}"
         logger.info("SPECPLUG_EAGLE3 worker: %s head %s, %s, dynamic trees %s (up to %d nodes)%s, "
-                    "lossless verification", head.KIND, self.settings.head_path, feature, self.settings.tree,
+                    "lossless verification", head.KIND, self.head_path, feature, self.settings.tree,
                     self.num_nodes, "" if self.token_drafts is None else
                     f", merged with drafter {self.settings.drafter.name!r}")
 
     def _load_head(self):
         from specplug.common.formats import load_head_module
 
-        head = load_head_module(self.settings.head_path, target_config=self.server_args.model_path,
+        head = load_head_module(self.head_path, target_config=self.server_args.model_path,
                                 device=self.device, dtype=view.target_dtype(self.model_runner)).eval()
         head.requires_grad_(False)  # serving: no autograd graph behind the states the head keeps
         if getattr(head, "KIND", None) not in ("EAGLE-3", "EAGLE-1"):
-            raise ValueError(f"SPECPLUG_EAGLE3: --speculative-draft-model-path {self.settings.head_path} holds a "
+            raise ValueError(f"SPECPLUG_EAGLE3: --speculative-draft-model-path {self.head_path} holds a "
                              f"{type(head).__name__}, not an EAGLE-3 or EAGLE-1 head: use MEDUSA for Medusa heads")
         vocab = head.config.vocab_size
         if not hasattr(head, "embed_tokens"):  # share the target's embedding (no copy)
@@ -119,27 +118,17 @@ class Eagle3Worker(TreeVerifyWorker):
             lm_head.weight = torch.nn.Parameter(view.lm_head_weight(self.model_runner)[:vocab], requires_grad=False)
             head.set_target_lm_head(lm_head)
         if self.settings.head_weights != "float":
-            self._use_quantized_weights(head, self.settings.head_weights)
+            fmt = self.settings.head_weights  # an EAGLE-3 head's linears after fc
+            head_linears.use_head_weights(head.KIND, fmt, lambda: head_linears.swap_linears(
+                head, head_linears.EAGLE3_MODULES, fmt), self.head_path, "SPECPLUG_EAGLE3", logger)
         return head
 
-    def _use_quantized_weights(self, head, fmt: str) -> None:
-        """The section's "head_weights": an EAGLE-3 head's linears after fc with int8 or int4 weights."""
-        reason = f"an EAGLE-1 head has no {fmt} path" if head.KIND != "EAGLE-3" else head_linears.swap_linears(
-            head, head_linears.EAGLE3_MODULES, fmt)
-        if reason is None:
-            logger.info("SPECPLUG_EAGLE3: head %s runs its linears with %s weights (\"head_weights\")",
-                        self.settings.head_path, fmt)
-        else:
-            logger.warning("SPECPLUG_EAGLE3: \"head_weights\" is %s but the head runs as loaded: %s", fmt, reason)
-
     def clear_cache_pool(self):
-        self.drafting.free(list(self.drafting.caches))
         self.roots.clear()
         self._free_token_drafts()
 
     def note_request_finished(self, *, rid: str, natural_stop: bool) -> None:
-        self.drafting.free([rid])
-        self.roots.pop(rid, None)
+        self.roots.free([rid])
         self._free_token_drafts(rid)
 
     # ------------------------------------------------------------------ committed rows
@@ -159,7 +148,7 @@ class Eagle3Worker(TreeVerifyWorker):
             requests.append(Committed(view.request_id(req), torch.tensor(after), torch.arange(start, start + n),
                                       hidden[offset:offset + n]))
             offset += n
-        self._catch_up(requests)
+        self.roots.catch_up(requests)
 
     def _commit(self, batch, tree: TreeBatch, verdict, hidden: torch.Tensor) -> None:
         """The accepted path's m nodes at positions seq_len .. seq_len + m - 1, each paired with
@@ -178,22 +167,10 @@ class Eagle3Worker(TreeVerifyWorker):
             requests.append(Committed(rid, emitted[b, :m].cpu(), torch.arange(seq_lens[b], seq_lens[b] + m),
                                       combined[offset:offset + m]))
             offset += m
-        self._catch_up(requests)
-        self._forget_stale(set(view.request_ids(batch)))  # a decode batch holds every running request
-
-    def _catch_up(self, requests) -> None:
-        with torch.inference_mode():
-            self.roots.update(zip((r.req_id for r in requests), self.drafting.catch_up(requests)))
-
-    def _forget_stale(self, current: set) -> None:
-        """Bound the head state: SGLang reports only requests that finish in a decode
-        step, so one that ends at prefill (one-token answers, an early stop, an abort) is
-        never reported (one freed that comes back verifies its root alone until its next
-        catch-up)."""
-        stale = stale_requests(self.roots, current, self.max_live)
-        self.drafting.free(stale)
-        for rid in stale:
-            self.roots.pop(rid)
+        self.roots.catch_up(requests)
+        # SGLang reports only requests that finish in a decode step (not one that ends at
+        # prefill, an early stop, an abort); a decode batch holds every running request
+        self.roots.forget_stale(view.request_ids(batch))
 
     # ------------------------------------------------------------------ drafting
 
@@ -203,35 +180,21 @@ class Eagle3Worker(TreeVerifyWorker):
         when hybrid); [B, n] with n <= num_nodes. A request whose head state is out of
         step with SGLang's (see the module docstring) verifies its root alone."""
         self.session.begin_step()
-        found = self._roots(batch)
-        rows = [i for i, ok in enumerate(found.usable) if ok]
-        stale = [i for i, ok in enumerate(found.usable) if not ok]
-        parts = [(stale, stack_trees([_root_only(found.last[i]) for i in stale]))] if stale else []
+        rids, last = view.request_ids(batch), view.last_tokens(batch)
+        roots = self.roots.in_step(rids, last, view.seq_lens(batch).tolist())
+        rows = [i for i, r in enumerate(roots) if r is not None]
+        stale = [i for i, r in enumerate(roots) if r is None]
+        parts = [(stale, stack_trees([_root_only(last[i]) for i in stale]))] if stale else []
         if rows:
             if self.token_drafts is not None:
                 self.token_drafts.sync(batch)
-            rids, params = view.request_ids(batch), view.request_sampling(batch)
+            params = view.request_sampling(batch)
             with torch.inference_mode():
                 parts.append((rows, self.session.trees(
-                    [found.roots[i] for i in rows], [rids[i] for i in rows], [params[i] for i in rows],
+                    [roots[i] for i in rows], [rids[i] for i in rows], [params[i] for i in rows],
                     self.settings.tree, self.sampled_tree, budget=self.settings.tree.budget)))
-        trees = parts[0][1] if len(parts) == 1 else in_batch_order(parts, len(found.last))
+        trees = parts[0][1] if len(parts) == 1 else in_batch_order(parts, len(rids))
         return trees, batch_layout(trees)
-
-    def _roots(self, batch) -> "_Roots":
-        """Each request's Root (or None), its root token in SGLang, and whether the two
-        are in step (same root token, at position seq_len - 1)."""
-        last = view.last_tokens(batch)
-        roots = [self.roots.get(rid) for rid in view.request_ids(batch)]
-        seq_lens = view.seq_lens(batch).tolist()
-        usable = [r is not None and r.token == t and r.position == s - 1 for r, t, s in zip(roots, last, seq_lens)]
-        return _Roots(roots, last, usable)
-
-
-class _Roots(NamedTuple):
-    roots: list  # Root or None per request
-    last: list[int]  # each request's root token in SGLang (its last output id)
-    usable: list[bool]  # the Root is in step with SGLang's request
 
 
 def _root_only(token: int) -> DraftTree:

@@ -1,42 +1,15 @@
-"""Settings of specplug's SGLang algorithms: server arguments -> MedusaSettings (MEDUSA,
-plus the heads' specplug section), Eagle3Settings (SPECPLUG_EAGLE3: see
-eagle3_settings_from_server_args) or TokenDrafterSettings (RETRIEVAL and every other
-registered token drafter, plus SPECPLUG_RETRIEVAL / SPECPLUG_DRAFTER; see
-token_settings_from_server_args).
+"""Settings of specplug's SGLang algorithms, from SGLang's server arguments:
 
-The heads' `specplug` section, its SPECPLUG_* variables, defaults, checks and sources are
-specplug.common.head_section's, the same as in vLLM (docs/heads.md, "The specplug
-section"): this module maps SGLang's server arguments onto that schema (they override the
-environment, which overrides the section) and keeps what SGLang needs besides.
-
-MEDUSA:
-
-Server arguments read (everything else keeps SGLang's meaning):
-
-  --speculative-draft-model-path DIR   Medusa heads (FasterDecoding or vLLM format). Required.
-  --speculative-num-draft-tokens N     tree nodes INCLUDING the root: tree.budget N - 1.
-  --speculative-num-steps D            tree.depth (at most the number of heads).
-  --speculative-eagle-topk K           tree.topk: candidates per head (1 = a chain of top-1 tokens).
-  --speculative-accept-threshold-single EPS  with a value < 1: typical acceptance (LOSSY)
-  --speculative-accept-threshold-acc DELTA   with epsilon EPS / delta DELTA (Medusa-2).
-  --disable-overlap-schedule           set for you: the worker runs synchronously.
-  --speculative-adaptive               adaptive speculation (specplug's, see below).
-
-Adaptive speculation (per step the tree budget, down to none, chosen by
-specplug.common.policy.adaptive from costs and acceptance measured in the engine) is on when
---speculative-adaptive is given, else as SPECPLUG_ADAPTIVE=1/0, else as the heads' section
-says (`"adaptive": true`). (SGLang's own adaptive mode supports only EAGLE and logs that it
-is disabled for MEDUSA; specplug's worker reads the flag as given.)
-
-The tree SHAPE is the schema's medusa part: the environment variable SPECPLUG_MEDUSA_TREE
-(read in every SGLang process): "optimal" (default: Medusa's optimal sparse tree for the
-heads' measured accuracies, within the node budget), "chain", or explicit Medusa choices
-as JSON (`[[0], [1], [0, 0]]`) or a path to a JSON file holding them; else the section's
-"choices".
-
-Hybrid drafting, as for SPECPLUG_EAGLE3 and in vLLM: the section's "retrieval" / "drafter"
-(SPECPLUG_RETRIEVAL / SPECPLUG_DRAFTER overriding) merges that token drafter's trees with
-the heads' under the same node budget each greedy step.
+- MEDUSA (medusa_settings) and SPECPLUG_EAGLE3 (eagle3_settings): the heads' `specplug`
+  section as specplug.common.head_section parses it, the same schema, defaults, checks
+  and SPECPLUG_* variables as in vLLM (docs/heads.md, "The specplug section"). This module
+  maps SGLang's arguments onto it (they override the environment, which overrides the
+  section): --speculative-num-steps (tree.depth), --speculative-eagle-topk (tree.topk),
+  --speculative-num-draft-tokens N (tree.budget N - 1: SGLang counts the root), for MEDUSA
+  --speculative-accept-threshold-single / -acc other than 1 (typical acceptance, LOSSY) and
+  --speculative-adaptive. docs/sglang.md tables every argument and its default.
+- RETRIEVAL and every other registered token drafter (token_settings): the drafter's
+  fields from SPECPLUG_RETRIEVAL / SPECPLUG_DRAFTER, then the tree arguments.
 """
 
 from __future__ import annotations
@@ -47,48 +20,23 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from specplug.common.head_section import (
-    ENV_DRAFT_TEMPERATURE, Argument, HeadSettings, MedusaTree, ParsedSection, SettingTypeError,
-    Verification, parse, read_section,
+    ENV_DRAFT_TEMPERATURE, Argument, HeadSettings, ParsedSection, SettingTypeError, parse, read_section,
 )
 from specplug.common.retrieval.config import ENV_RETRIEVAL, retrieval_override
 from specplug.common.drafter_registry import ENV_DRAFTER, DrafterChoice, check_choice, env_choice
-from specplug.common.tree import TreeConfig
 
 
-@dataclass(frozen=True)
-class MedusaSettings:
-    """Everything the MEDUSA worker needs besides the heads' weights.
+def medusa_nodes(settings: HeadSettings) -> int:
+    """MEDUSA's tree nodes including the root: SGLang's speculative_num_draft_tokens, the
+    size of MedusaDrafter's template (TreeConfig.static_nodes, or the explicit choices)."""
+    choices = settings.medusa.choices
+    return len(choices) + 1 if choices is not None else settings.tree.static_nodes + 1
 
-    tree: depth / topk / budget (budget = draft nodes, root excluded).
-    choices: an explicit static tree (Medusa top-k index paths) or None.
-    verification: "lossless" (greedy at T=0, target-only tree rejection sampling at
-        T>0: the output distribution is exactly the target's) or "typical" (LOSSY).
-    adaptive: choose each step's tree budget (down to none) from measured costs.
-    """
 
-    heads_path: str  # the defaults below are the schema's (specplug.common.head_section)
-    tree: TreeConfig = HeadSettings.tree
-    choices: tuple[tuple[int, ...], ...] | None = MedusaTree.choices
-    verification: str = Verification.method
-    typical_epsilon: float = Verification.typical_epsilon
-    typical_delta: float = Verification.typical_delta
-    head_accuracies: tuple[tuple[float, ...], ...] | None = MedusaTree.head_accuracies
-    adaptive: bool = HeadSettings.adaptive
-    draft_temperature: float | None = HeadSettings.draft_temperature  # sampled requests: chains drawn from q
-    drafter: DrafterChoice | None = HeadSettings.drafter  # hybrid drafting: a token drafter's trees merged in
-
-    @property
-    def num_nodes(self) -> int:
-        """Tree nodes including the root: SGLang's speculative_num_draft_tokens, the
-        size of MedusaDrafter's template (TreeConfig.static_nodes)."""
-        if self.choices is not None:
-            return len(self.choices) + 1
-        return self.tree.static_nodes + 1
-
-    @property
-    def method(self) -> str:
-        """specplug.common.sampling.verify's method for sampled (T > 0) requests."""
-        return "typical" if self.verification == "typical" else "rejection"
+def verify_method(settings: HeadSettings) -> str:
+    """specplug.common.verify_step's rule for sampled requests: "typical" (LOSSY) when the
+    section or SGLang's thresholds ask for it, else "rejection" (the request's own rule)."""
+    return "typical" if settings.verification.method == "typical" else "rejection"
 
 
 def _fail(arg: str, expected: str, given, fix: str, algorithm: str = "MEDUSA") -> None:
@@ -141,10 +89,11 @@ def parse_section(section: dict, environ, algorithm: str, **kwargs) -> ParsedSec
         raise (SettingTypeError if isinstance(exc, TypeError) else ValueError)(f"{algorithm}: {exc}") from exc
 
 
-def settings_from_server_args(cfg, adaptive_arg: bool = False, environ=None) -> MedusaSettings:
-    """Parse and check the arguments above; ValueError names the argument and the fix.
-    adaptive_arg: --speculative-adaptive as the user gave it (SGLang resolves it to False
-    for MEDUSA, so the caller passes the raw value)."""
+def medusa_settings(cfg, adaptive_arg: bool = False, environ=None) -> HeadSettings:
+    """The Medusa heads' section (--speculative-draft-model-path) with SGLang's arguments
+    (module docstring) applied, checked; ValueError names the argument and the fix. adaptive_arg:
+    --speculative-adaptive as the user gave it (SGLang resolves it to False for MEDUSA, so
+    the caller passes the raw value)."""
     environ = os.environ if environ is None else environ
     if not cfg.speculative_draft_model_path:
         _fail("--speculative-draft-model-path", "the Medusa heads directory", None,
@@ -153,13 +102,8 @@ def settings_from_server_args(cfg, adaptive_arg: bool = False, environ=None) -> 
     arguments = {**tree_arguments(cfg), **typical_arguments(cfg)}
     if adaptive_arg:
         arguments["adaptive"] = Argument("--speculative-adaptive", True)
-    s = parse_section(section, environ, "MEDUSA", method="medusa", arguments=arguments, num_heads=num_heads).settings
-    return MedusaSettings(
-        heads_path=str(cfg.speculative_draft_model_path), tree=s.tree, choices=s.medusa.choices,
-        verification=s.verification.method, typical_epsilon=s.verification.typical_epsilon,
-        typical_delta=s.verification.typical_delta, head_accuracies=s.medusa.head_accuracies,
-        adaptive=s.adaptive, draft_temperature=s.draft_temperature, drafter=s.drafter,
-    )
+    return parse_section(section, environ, "MEDUSA", method="medusa", arguments=arguments,
+                         num_heads=num_heads).settings
 
 
 @dataclass(frozen=True)
@@ -191,7 +135,7 @@ SGLANG_RETRIEVAL = {"min_prob": 0.0, "min_expected": 0.5}
 DEFAULT_BUDGET = DEFAULT_DEPTH = 8  # a token drafter's tree size when no argument sets it
 
 
-def token_settings_from_server_args(name: str, cfg, environ=None) -> TokenDrafterSettings:
+def token_settings(name: str, cfg, environ=None) -> TokenDrafterSettings:
     """The settings of registered token drafter `name` (run as --speculative-algorithm
     NAME.upper()): for "retrieval", SGLANG_RETRIEVAL then SPECPLUG_RETRIEVAL's fields;
     then SPECPLUG_DRAFTER's fields; then --speculative-num-draft-tokens N (budget N - 1)
@@ -240,37 +184,21 @@ EAGLE3 = "SPECPLUG_EAGLE3"
 DRAFT_TEMPERATURE_ENV = ENV_DRAFT_TEMPERATURE  # what the bench sets for sampled drafts
 
 
-@dataclass(frozen=True)
-class Eagle3Settings:
-    """What the SPECPLUG_EAGLE3 worker needs besides the head's weights: the head folder
-    and its EAGLE-2 tree (depth, topk, budget = draft nodes, root excluded)."""
-
-    head_path: str  # the defaults below are the schema's (specplug.common.head_section)
-    tree: TreeConfig = HeadSettings.tree
-    drafter: DrafterChoice | None = HeadSettings.drafter  # hybrid drafting: a token drafter's trees merged in
-    draft_temperature: float | None = HeadSettings.draft_temperature  # sampled requests: trees drawn from q
-    head_weights: str = HeadSettings.head_weights  # "int8" / "int4": the head's linears quantized
-
-    @property
-    def num_nodes(self) -> int:
-        """Most tree nodes a step verifies, root included: SGLang's speculative_num_draft_tokens."""
-        return self.tree.budget + 1
-
-
-def eagle3_settings_from_server_args(cfg, environ=None) -> Eagle3Settings:
+def eagle3_settings(cfg, environ=None) -> HeadSettings:
     """--speculative-draft-model-path HEAD (an EAGLE-3 or EAGLE-1 head, any format specplug
     reads) and its specplug section (specplug.common.head_section): the tree from
     --speculative-num-steps (depth), --speculative-eagle-topk (topk) and
     --speculative-num-draft-tokens N (budget N - 1), else SPECPLUG_TREE, else the section's
-    "tree", else TreeConfig's defaults; hybrid drafting, sampled drafts and quantized head
-    weights from the environment, else the section. ValueError names the argument and the fix."""
+    "tree", else TreeConfig's defaults; hybrid drafting, sampled drafts, payoff control and
+    quantized head weights from the environment, else the section. The most nodes a step
+    verifies (SGLang's speculative_num_draft_tokens) is tree.budget + 1. ValueError names
+    the argument and the fix."""
     environ = os.environ if environ is None else environ
     path = cfg.speculative_draft_model_path
     if not path or not (Path(path) / "config.json").is_file():
         _fail("--speculative-draft-model-path", "an EAGLE-3 head directory (config.json + safetensors)", path,
               "train one with `specplug train eagle3` or convert one with `specplug convert`", EAGLE3)
-    s = parse_section(read_section(path), environ, EAGLE3, arguments=tree_arguments(cfg)).settings
-    return Eagle3Settings(str(path), s.tree, s.drafter, s.draft_temperature, s.head_weights)
+    return parse_section(read_section(path), environ, EAGLE3, arguments=tree_arguments(cfg)).settings
 
 
 def _positive(arg: str, value, algorithm: str = "MEDUSA") -> int:

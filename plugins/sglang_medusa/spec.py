@@ -17,9 +17,7 @@ from pathlib import Path
 
 from specplug.common import formats
 from specplug.sglang_medusa.attention_backends import check_attention_backends, server_attention_backends
-from specplug.sglang_medusa.settings import (
-    eagle3_settings_from_server_args, settings_from_server_args, token_settings_from_server_args,
-)
+from specplug.sglang_medusa.settings import eagle3_settings, medusa_nodes, medusa_settings, token_settings
 
 try:  # SGLang is present whenever SGLang's plugin loader or a worker imports this module
     from sglang.srt.arg_groups.overrides import resolving_view
@@ -36,11 +34,11 @@ TOKEN_ALGORITHMS: set[str] = set()  # token drafters registered by this process 
 def validate_server_args(server_args) -> None:
     """Reject bad MEDUSA arguments before any model loads (runs in the launching process)."""
     cfg = resolving_view(server_args)
-    settings = settings_from_server_args(cfg, adaptive_arg=bool(getattr(server_args, "speculative_adaptive", False)))
+    settings = medusa_settings(cfg, adaptive_arg=bool(getattr(server_args, "speculative_adaptive", False)))
     _check_backend(cfg)
-    _check_heads_against_target(settings.heads_path, cfg.model_path)
-    logger.info("MEDUSA: heads %s, tree %s, %d nodes, %s verification%s", settings.heads_path,
-                settings.choices or settings.tree, settings.num_nodes, settings.verification,
+    _check_heads_against_target(cfg.speculative_draft_model_path, cfg.model_path)
+    logger.info("MEDUSA: heads %s, tree %s, %d nodes, %s verification%s", cfg.speculative_draft_model_path,
+                settings.medusa.choices or settings.tree, medusa_nodes(settings), settings.verification.method,
                 ", adaptive speculation (specplug)" if settings.adaptive else "")
 
 
@@ -63,37 +61,32 @@ def _check_heads_against_target(heads_path: str, model_path: str) -> None:
 def handle_server_args(server_args) -> None:
     """Fill the arguments MEDUSA decides: node count from the tree, synchronous schedule."""
     cfg = resolving_view(server_args)
-    settings = settings_from_server_args(cfg)
-    given = cfg.speculative_num_draft_tokens
-    if given is not None and given != settings.num_nodes:
+    settings = medusa_settings(cfg)
+    given, nodes = cfg.speculative_num_draft_tokens, medusa_nodes(settings)
+    if given is not None and given != nodes:
         logger.warning("MEDUSA: --speculative-num-draft-tokens %d replaced by the tree's node count %d "
-                       "(the tree cannot hold more nodes)", given, settings.num_nodes)
-    server_args.speculative_num_draft_tokens = settings.num_nodes
-    server_args.speculative_num_steps = settings.tree.depth
-    server_args.speculative_eagle_topk = settings.tree.topk
-    _synchronous_cpu_defaults(server_args, cfg)
+                       "(the tree cannot hold more nodes)", given, nodes)
+    _fill(server_args, cfg, nodes, settings.tree.depth, settings.tree.topk)
 
 
 def validate_eagle3_args(server_args) -> None:
     """Reject bad SPECPLUG_EAGLE3 arguments before any model loads (runs in the launching process)."""
     cfg = resolving_view(server_args)
-    settings = eagle3_settings_from_server_args(cfg)
+    settings = eagle3_settings(cfg)
     _check_backend(cfg, EAGLE3)
-    head = formats.load_head(settings.head_path, target_config=cfg.model_path)
+    path = cfg.speculative_draft_model_path
+    head = formats.load_head(path, target_config=cfg.model_path)
     if head.method not in ("eagle3", "eagle1"):
-        raise ValueError(f"{EAGLE3}: --speculative-draft-model-path {settings.head_path} holds a {head.method} "
+        raise ValueError(f"{EAGLE3}: --speculative-draft-model-path {path} holds a {head.method} "
                          "head, not EAGLE-3 or EAGLE-1: use --speculative-algorithm MEDUSA for Medusa heads")
-    logger.info("%s: head %s, dynamic trees %s, lossless verification", EAGLE3, settings.head_path, settings.tree)
+    logger.info("%s: head %s, dynamic trees %s, lossless verification", EAGLE3, path, settings.tree)
 
 
 def handle_eagle3_args(server_args) -> None:
     """Fill the arguments the tree decides: the most nodes a step verifies, synchronous schedule."""
     cfg = resolving_view(server_args)
-    settings = eagle3_settings_from_server_args(cfg)
-    server_args.speculative_num_draft_tokens = settings.num_nodes
-    server_args.speculative_num_steps = settings.tree.depth
-    server_args.speculative_eagle_topk = settings.tree.topk
-    _synchronous_cpu_defaults(server_args, cfg)
+    tree = eagle3_settings(cfg).tree
+    _fill(server_args, cfg, tree.budget + 1, tree.depth, tree.topk)
 
 
 def validate_token_args(server_args) -> None:
@@ -110,14 +103,20 @@ def handle_token_args(server_args) -> None:
     """Fill the arguments a token drafter decides: the most nodes a tree may have, synchronous schedule."""
     cfg = resolving_view(server_args)
     settings = _token_settings(cfg)
-    server_args.speculative_num_draft_tokens = settings.num_nodes
-    server_args.speculative_num_steps = settings.max_depth
-    server_args.speculative_eagle_topk = 1
-    _synchronous_cpu_defaults(server_args, cfg)
+    _fill(server_args, cfg, settings.num_nodes, settings.max_depth, 1)
 
 
 def _token_settings(cfg):
-    return token_settings_from_server_args(str(cfg.speculative_algorithm).lower(), cfg)
+    return token_settings(str(cfg.speculative_algorithm).lower(), cfg)
+
+
+def _fill(server_args, cfg, nodes: int, depth: int, topk: int) -> None:
+    """The tree arguments the algorithm decided (nodes per step, root included; depth;
+    topk), then _synchronous_cpu_defaults."""
+    server_args.speculative_num_draft_tokens = nodes
+    server_args.speculative_num_steps = depth
+    server_args.speculative_eagle_topk = topk
+    _synchronous_cpu_defaults(server_args, cfg)
 
 
 def _synchronous_cpu_defaults(server_args, cfg) -> None:

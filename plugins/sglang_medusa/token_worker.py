@@ -20,12 +20,13 @@ import torch.nn.functional as F
 from sglang.srt.arg_groups.overrides import resolving_view
 
 from specplug.common import drafter_registry
+from specplug.common.head_section import payoff_flag
 from specplug.common.drafting.engine_layers import EngineTarget
 from specplug.common.drafting.session import stale_requests
 from specplug.common.token_drafters import draft_or_roots
 from specplug.common.tree import TreeBatch
 from specplug.sglang_medusa import batch_view as view
-from specplug.sglang_medusa.settings import TokenDrafterSettings, token_settings_from_server_args
+from specplug.sglang_medusa.settings import TokenDrafterSettings, token_settings
 from specplug.common.sglang_trees import ROOT_ONLY, batch_layout
 from specplug.sglang_medusa.tree_worker import TreeVerifyWorker
 
@@ -95,10 +96,10 @@ class TokenDrafterWorker(TreeVerifyWorker):
     def __init__(self, server_args, gpu_id: int, nccl_port: int, target_worker):
         cfg = resolving_view(server_args)
         name = str(cfg.speculative_algorithm).lower()
-        self.settings: TokenDrafterSettings = token_settings_from_server_args(name, cfg)
+        self.settings: TokenDrafterSettings = token_settings(name, cfg)
         super().__init__(server_args, target_worker, self.settings.num_nodes)
         self.token_drafts = synced_drafter(self.settings.choice, cfg, self.model_runner)
-        self._start_payoff(self.settings.max_depth)
+        self._start_payoff(self.settings.max_depth, payoff_flag())
         logger.info("%s worker: drafter %s, up to %d draft nodes, depth %d, lossless verification",
                     name.upper(), type(self.drafter).__name__, self.settings.budget, self.settings.max_depth)
 

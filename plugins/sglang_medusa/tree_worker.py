@@ -37,12 +37,11 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import time
 
 import torch
 
-from specplug.common import head_section, sampling
+from specplug.common import sampling
 from specplug.common.drafting.session import DraftingSession
 from specplug.common.metrics import AcceptanceStats
 from specplug.common.policy.throughput import CycleClock, PayoffControl
@@ -150,11 +149,11 @@ class TreeVerifyWorker(BaseSpecWorker):
 
     # ------------------------------------------------------------------ payoff control
 
-    def _start_payoff(self, depth: int) -> None:
+    def _start_payoff(self, depth: int, on: bool) -> None:
         """Payoff control over two arms, this worker's trees (`depth` deep) or the roots
-        alone, per batch size from the measured steps (specplug.common.policy.throughput);
-        on unless SPECPLUG_PAYOFF=0."""
-        if not head_section.flag({}, "payoff", os.environ, head_section.ENV_PAYOFF, "payoff control", default=True):
+        alone, per batch size from the measured steps (specplug.common.policy.throughput),
+        when `on`: the settings' "payoff" (a head's section, SPECPLUG_PAYOFF overriding)."""
+        if not on:
             return
         self.payoff = CycleClock(PayoffControl.all_or_none(depth, self.ranks))
         logger.info("specplug payoff control on: each decode step verifies the drafted trees or the roots alone, "

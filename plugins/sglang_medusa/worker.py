@@ -41,7 +41,8 @@ from specplug.common.drafting.sampled import SampledDrafts, sampled_tree
 from specplug.common.drafting.session import DraftingSession, in_batch_order
 from specplug.common.tree import DraftTree, TreeBatch, TreeConfig
 from specplug.sglang_medusa import batch_view as view
-from specplug.sglang_medusa.settings import MedusaSettings, settings_from_server_args
+from specplug.common.head_section import HeadSettings
+from specplug.sglang_medusa.settings import medusa_settings, verify_method
 from specplug.sglang_medusa.token_worker import synced_drafter
 from specplug.common.sglang_trees import ROOT_ONLY, batch_layout, root_only_batch, tree_layout
 from specplug.sglang_medusa.tree_worker import TreeVerifyWorker
@@ -59,12 +60,14 @@ class MedusaWorker(TreeVerifyWorker):
     def __init__(self, server_args, gpu_id: int, nccl_port: int, target_worker):
         cfg = resolving_view(server_args)  # server_args plus what resolution declared
         super().__init__(server_args, target_worker, int(cfg.speculative_num_draft_tokens))
-        self.settings: MedusaSettings = settings_from_server_args(
+        self.heads_path = str(cfg.speculative_draft_model_path)
+        self.settings: HeadSettings = medusa_settings(
             cfg, adaptive_arg=bool(getattr(server_args, "speculative_adaptive", False)))
-        self.method = self.settings.method
-        self.typical_epsilon, self.typical_delta = self.settings.typical_epsilon, self.settings.typical_delta
-        self.drafter = MedusaDrafter(self._load_heads(), choices=self.settings.choices,
-                                     head_accuracies=self.settings.head_accuracies)
+        self.method = verify_method(self.settings)
+        self.typical_epsilon = self.settings.verification.typical_epsilon
+        self.typical_delta = self.settings.verification.typical_delta
+        self.drafter = MedusaDrafter(self._load_heads(), choices=self.settings.medusa.choices,
+                                     head_accuracies=self.settings.medusa.head_accuracies)
         self.template: DraftTree = self.drafter.template(self.settings.tree)
         if self.template.num_nodes != self.num_nodes:
             raise ValueError(
@@ -79,14 +82,15 @@ class MedusaWorker(TreeVerifyWorker):
         if self.settings.adaptive:
             self._start_adaptive()
         else:
-            self._start_payoff(self.template.max_depth)
+            self._start_payoff(self.template.max_depth, self.settings.payoff)
         if self.settings.drafter is not None:
             self.token_drafts = synced_drafter(self.settings.drafter, cfg, self.model_runner)
         self.session = DraftingSession(
             None, token_drafter=None if self.token_drafts is None else self.token_drafts.drafter,
             sampled=SampledDrafts(self.settings.draft_temperature))
         logger.info("MEDUSA worker: %d heads, %d-node tree (depth %d), %s verification%s",
-                    self.drafter.heads.num_heads, self.num_nodes, self.template.max_depth, self.settings.verification,
+                    self.drafter.heads.num_heads, self.num_nodes, self.template.max_depth,
+                    self.settings.verification.method,
                     "" if self.token_drafts is None else f", merged with drafter {self.settings.drafter.name!r}")
 
     # ------------------------------------------------------------------ set-up
@@ -95,12 +99,12 @@ class MedusaWorker(TreeVerifyWorker):
         from specplug.common.formats import load_head_module
 
         dtype = view.target_dtype(self.model_runner)
-        return load_head_module(self.settings.heads_path, target_config=self.server_args.model_path,
+        return load_head_module(self.heads_path, target_config=self.server_args.model_path,
                                 device=self.device, dtype=dtype).eval()
 
     def _start_adaptive(self) -> None:
         """The controller over this worker's budget family (see budget_configs)."""
-        accuracies = self.settings.head_accuracies
+        accuracies = self.settings.medusa.head_accuracies
         if accuracies is None:
             accuracies = prior_accuracies(self.drafter.heads.num_heads, self.settings.tree.topk)
         for config in budget_configs(self.settings):
@@ -193,8 +197,8 @@ class MedusaWorker(TreeVerifyWorker):
                             verdict.bonus_token)
 
 
-def budget_configs(settings: MedusaSettings) -> list[TreeConfig]:
+def budget_configs(settings: HeadSettings) -> list[TreeConfig]:
     """The trees adaptive speculation chooses among (each as the TreeConfig the drafter
     builds it from): the core's family for the configured tree
     (specplug.common.policy.adaptive.tree_family); explicit choices offer only themselves."""
-    return [settings.tree] if settings.choices is not None else tree_family(settings.tree)
+    return [settings.tree] if settings.medusa.choices is not None else tree_family(settings.tree)

@@ -45,6 +45,7 @@ from specplug.common.drafting.engine_layers import EngineTarget
 from specplug.common.drafting.sampled import SampledDrafts
 from specplug.common.drafting.session import DraftingSession
 from specplug.common.path_choice import best_chains
+from specplug.common.quantization import head_linears
 from specplug.common.policy.adaptive_chains import ChainAdaptiveController, StepClock
 from specplug.common.policy.calibration import HybridScale
 from specplug.common.policy.draft_gate import DraftGate
@@ -102,7 +103,7 @@ class SpecplugEagleProposer(EagleProposer):
     def load_model(self, target_model):
         super().load_model(target_model)
         if self.specplug is not None and self.specplug.head_weights != "float":
-            self._use_quantized_weights(target_model, self.specplug.head_weights)
+            self._use_quantized_weights(target_model)
         if self.specplug is not None and self.token_drafter is not None:  # self_spec: the target's own layers
             drafter_registry.bind_target(self.token_drafter, EngineTarget(
                 target_model, target_model.compute_logits, self.vllm_config.model_config.hf_text_config))
@@ -172,20 +173,14 @@ class SpecplugEagleProposer(EagleProposer):
         keep = [i for i, b in enumerate(rows) if not discarded[b]]  # vLLM drops partial prefills' drafts
         if self.adaptive is not None or self.payoff is not None:
             depth = self._choose_depth(len(keep)) if keep else 0
-            if depth == 0:  # no drafts this step: the head catches up later, in one go
-                self.drafting.defer(requests)
-                return torch.zeros(batch, 0, dtype=next_token_ids.dtype, device=next_token_ids.device)
-        if keep and depth > 0 and self.tree_verifier is None:
-            chains = self.session.alone([requests[i][0] for i in keep], depth)
-            if chains is not None:  # the head's catch-up waits for the next step that drafts with it
-                self.drafting.defer(requests)
-                return self._scatter(chains, [rows[i] for i in keep], batch, next_token_ids)
-        roots = self.drafting.catch_up(requests) if requests else []
+        kept_ids = [requests[i][0] for i in keep]
+        roots, alone = self.session.catch_up(requests, kept_ids, depth, chains=self.tree_verifier is None)
+        if alone is not None:
+            return self._scatter(alone, [rows[i] for i in keep], batch, next_token_ids)
         if not keep or depth == 0:
             return torch.zeros(batch, depth, dtype=next_token_ids.dtype, device=next_token_ids.device)
         started = time.perf_counter()
         kept_roots = [roots[i] for i in keep]
-        kept_ids = [requests[i][0] for i in keep]
         if self.tree_verifier is None:
             drafts, expected = self._draft_chains(kept_roots, kept_ids, depth)
         else:
@@ -331,19 +326,15 @@ class SpecplugEagleProposer(EagleProposer):
         shifted[last] = torch.tensor([next_tokens[b] for b in rows], dtype=shifted.dtype)  # ... vLLM's next token last
         return rows, requests
 
-    def _use_quantized_weights(self, target_model, fmt: str):
+    def _use_quantized_weights(self, target_model):
         """The section's "head_weights" (int8 or int4): the EAGLE-3 head's linears with
         quantized weights, from its checkpoint (dense_head.use_quantized_weights); where
         they cannot run, as loaded."""
         from specplug.common import formats
 
-        head_dir = self.draft_model_config.model
-        reason = f"an EAGLE-1 head has no {fmt} path" if self.method != "eagle3" else use_quantized_weights(
-            self.model, formats.load_head(head_dir).state_dict, fmt, target_model)
-        if reason is None:
-            logger.info("specplug: head %s runs its linears with %s weights (\"head_weights\")", head_dir, fmt)
-        else:
-            logger.warning("specplug: \"head_weights\" is %s but the head runs as loaded: %s", fmt, reason)
+        head_dir, fmt = self.draft_model_config.model, self.specplug.head_weights
+        head_linears.use_head_weights(self.head_runner.KIND, fmt, lambda: use_quantized_weights(
+            self.model, formats.load_head(head_dir).state_dict, fmt, target_model), head_dir, "specplug", logger)
 
     def _log_active(self):
         tree = self.specplug.tree

@@ -43,6 +43,22 @@ def test_markdown_table_and_png(tmp_path):
     assert (tmp_path / "b.png").read_bytes()[:4] == b"\x89PNG"
 
 
+def test_interleaved_rounds_give_each_speedup_its_per_round_range(tmp_path):
+    """Round r's ratio pairs the method with none on round r's prompts; the table shows
+    the range and says what it means; rows without rounds show none (negative control)."""
+    none = RunResult("none", 4, 8, 80, 4.0, rounds=[[40, 2.0], [40, 2.0]])
+    fast = RunResult("x", 4, 8, 80, 3.0, rounds=[[40, 1.0], [40, 2.0]])  # 2.0x, then 1.0x
+    report = report_of([none, fast, RunResult("none", 1, 4, 40, 4.0), RunResult("x", 1, 4, 40, 2.0)])
+    rows = {(r["method"], r["batch_size"]): r for r in report["results"]}
+    assert rows[("x", 4)]["round_speedups"] == [2.0, 1.0] and rows[("none", 4)]["round_speedups"] is None
+    assert rows[("x", 1)]["round_speedups"] is None
+    table = markdown(report)
+    assert "| vllm | 4 | x | 26.7 | 1.33x (1.00-2.00) |" in table and "| vllm | 1 | x | 20.0 | 2.00x |" in table
+    assert "lowest and highest of the per-round ratios" in table
+    plot(report, tmp_path / "b.png")
+    assert (tmp_path / "b.png").read_bytes()[:4] == b"\x89PNG"
+
+
 def test_sweep_runs_run_last_methods_after_the_others():
     class FakeRunner:
         engine, run_last = "fake", ("ngram",)

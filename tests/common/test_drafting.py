@@ -2,14 +2,15 @@
 (drafting.runner.TorchHeadRunner), on the tiny Llama: a batched step equals one step per
 request, a catch-up after an engine roll-back equals never having seen the rolled-back
 rows, deferred rows equal catching up every step, the backlog cap drops the oldest rows,
-forget frees finished requests, and a DraftCache's buffers hold exactly what copying
+forget frees finished requests, held roots serve only while in step with the engine,
+and a DraftCache's buffers hold exactly what copying
 would; masked_attention equals SDPA over repeated keys."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from specplug.common.drafting.eagle import Committed, DraftCache, EagleDrafting
+from specplug.common.drafting.eagle import Committed, DraftCache, EagleDrafting, HeldRoots
 from specplug.common.drafting.runner import Segment, TorchHeadRunner, masked_attention
 from specplug.common.tree import TreeConfig
 from tests.common.test_drafters import random_eagle3_head, target, target_hidden  # noqa: F401
@@ -118,6 +119,26 @@ def test_forget_frees_what_the_engine_dropped(runner, hidden):
     drafting.defer([rows("b", hidden, 4, 5)])
     drafting.forget({"a"})
     assert set(drafting.caches) == {"a"} and not drafting.pending and drafting.length("b") == 0
+
+
+def test_held_roots_serve_only_while_in_step_with_the_engine(runner, hidden):
+    """A held Root is drafted from only at the engine's root token and seq_len - 1 (a
+    negative control for each); free and clear drop the head state with it; past
+    max_live, requests missing from the decode batch are freed."""
+    held = HeldRoots(EagleDrafting(runner), max_live=2)
+    held.catch_up([rows("a", hidden, 0, 5), rows("b", hidden, 0, 3)])
+    token_a, token_b = int(TEXT[5]), int(TEXT[3])
+    found = held.in_step(["a", "b", "c"], [token_a, token_b, 1], [5, 3, 1])  # root at seq_len - 1
+    assert [r is not None for r in found] == [True, True, False] and found[0].position == 4
+    assert held.in_step(["a"], [token_a + 1], [5]) == [None]  # another root token: a retraction
+    assert held.in_step(["a"], [token_a], [6]) == [None]  # a step the head did not see
+    held.catch_up([rows("c", hidden, 0, 2)])
+    held.forget_stale(["a", "c"])  # three held, bound two: "b" was never reported finished
+    assert set(held.roots) == {"a", "c"} and held.drafting.length("b") == 0
+    held.free(["a"])
+    assert set(held.roots) == {"c"} and held.drafting.length("a") == 0
+    held.clear()
+    assert not held.roots and not held.drafting.caches
 
 
 def test_draft_cache_buffers_equal_copies():

@@ -134,3 +134,43 @@ def test_stale_requests_are_freed_only_past_the_bound():
     assert stale_requests(["a", "b", "c"], ["a"], max_live=3) == []
     assert stale_requests(["a", "b", "c", "d"], ["a", "c"], max_live=3) == ["b", "d"]
     assert stale_requests({"a": 1, "b": 2}, {"b"}, max_live=1) == ["a"]
+
+
+class CatchUpLog:
+    """An EagleDrafting stand-in that records what the session asked of the head."""
+
+    def __init__(self):
+        self.deferred, self.caught_up = [], []
+
+    def defer(self, requests):
+        self.deferred.append(list(requests))
+
+    def catch_up(self, requests):
+        self.caught_up.append(list(requests))
+        return [f"root of {r}" for r in requests]
+
+
+class AloneFor:
+    """A token drafter that drafts alone (chain of 7s) exactly when every request is in `ids`."""
+
+    def __init__(self, ids):
+        self.ids = set(ids)
+
+    def alone(self, request_ids, depth):
+        return torch.full((len(request_ids), depth), 7) if set(request_ids) <= self.ids else None
+
+
+def test_catch_up_defers_the_head_when_it_does_not_draft():
+    """No head step when a step drafts nothing or the token drafter drafts alone (the rows
+    wait for one catch-up); the head catches up otherwise, and in stage tree (chains=False)
+    even where the drafter could draft alone."""
+    drafting = CatchUpLog()
+    session = DraftingSession(drafting, token_drafter=AloneFor({"a"}))
+    assert session.catch_up(["a", "b"], ["a", "b"], depth=0) == (None, None)
+    roots, alone = session.catch_up(["a"], ["a"], depth=3)
+    assert roots is None and alone.tolist() == [[7, 7, 7]] and session.drafted_alone == 1
+    assert drafting.deferred == [["a", "b"], ["a"]] and not drafting.caught_up
+    assert session.catch_up(["a", "b"], ["a", "b"], depth=2) == (["root of a", "root of b"], None)
+    assert session.catch_up(["a"], ["a"], depth=2, chains=False) == (["root of a"], None)
+    assert session.catch_up(["a"], [], depth=2) == (["root of a"], None)  # nothing kept: caught up all the same
+    assert len(drafting.deferred) == 2 and len(drafting.caught_up) == 3

@@ -33,31 +33,31 @@ def adaptive(sgl_model, medusa_heads):
 
 def test_budget_family_and_flag():
     from specplug.common.tree import TreeConfig
-    from specplug.sglang_medusa.settings import MedusaSettings
+    from specplug.common.head_section import HeadSettings, MedusaTree
     from specplug.sglang_medusa.worker import budget_configs
 
-    optimal = MedusaSettings(heads_path="h", tree=TreeConfig(depth=3, topk=2, budget=7))
+    optimal = HeadSettings(tree=TreeConfig(depth=3, topk=2, budget=7))
     assert [c.budget for c in budget_configs(optimal)] == [1, 2, 4, 7]
-    chain = MedusaSettings(heads_path="h", tree=TreeConfig(depth=3, topk=1, budget=3))
+    chain = HeadSettings(tree=TreeConfig(depth=3, topk=1, budget=3))
     assert [(c.depth, c.budget) for c in budget_configs(chain)] == [(1, 1), (2, 2), (3, 3)]
-    fixed = MedusaSettings(heads_path="h", choices=((0,), (1,), (0, 0)))
+    fixed = HeadSettings(medusa=MedusaTree(shape="choices", choices=((0,), (1,), (0, 0))))
     assert budget_configs(fixed) == [fixed.tree]
 
 
 def test_adaptive_from_section_argument_and_env(medusa_heads, tmp_path):
     from types import SimpleNamespace
 
-    from specplug.sglang_medusa.settings import settings_from_server_args
+    from specplug.sglang_medusa.settings import medusa_settings
 
     cfg = SimpleNamespace(speculative_draft_model_path=str(medusa_heads), speculative_num_steps=None,
                           speculative_eagle_topk=None, speculative_num_draft_tokens=None,
                           speculative_accept_threshold_single=1.0, speculative_accept_threshold_acc=1.0)
-    assert not settings_from_server_args(cfg, environ={}).adaptive
-    assert settings_from_server_args(cfg, adaptive_arg=True, environ={}).adaptive
-    assert settings_from_server_args(cfg, environ={"SPECPLUG_ADAPTIVE": "1"}).adaptive
+    assert not medusa_settings(cfg, environ={}).adaptive
+    assert medusa_settings(cfg, adaptive_arg=True, environ={}).adaptive
+    assert medusa_settings(cfg, environ={"SPECPLUG_ADAPTIVE": "1"}).adaptive
     # one precedence for every field (specplug.common.head_section): the argument over the environment
-    assert settings_from_server_args(cfg, adaptive_arg=True, environ={"SPECPLUG_ADAPTIVE": "0"}).adaptive
-    assert not settings_from_server_args(cfg, environ={"SPECPLUG_ADAPTIVE": "0"}).adaptive
+    assert medusa_settings(cfg, adaptive_arg=True, environ={"SPECPLUG_ADAPTIVE": "0"}).adaptive
+    assert not medusa_settings(cfg, environ={"SPECPLUG_ADAPTIVE": "0"}).adaptive
     heads = tmp_path / "heads"
     heads.mkdir()
     for f in medusa_heads.iterdir():
@@ -66,7 +66,7 @@ def test_adaptive_from_section_argument_and_env(medusa_heads, tmp_path):
     config["specplug"]["adaptive"] = True
     (heads / "config.json").unlink()
     (heads / "config.json").write_text(json.dumps(config))
-    assert settings_from_server_args(SimpleNamespace(**{**vars(cfg), "speculative_draft_model_path": str(heads)}),
+    assert medusa_settings(SimpleNamespace(**{**vars(cfg), "speculative_draft_model_path": str(heads)}),
                                      environ={}).adaptive
 
 

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from specplug.sglang_medusa.settings import (
-    eagle3_settings_from_server_args, settings_from_server_args, token_settings_from_server_args,
+    eagle3_settings, medusa_nodes, medusa_settings, token_settings, verify_method,
 )
 from tests.sglang.conftest import ENGINE_ARGS
 
@@ -37,23 +37,27 @@ def _settings(**kw):
     base = dict(speculative_draft_model_path=None, speculative_num_steps=None, speculative_eagle_topk=None,
                 speculative_num_draft_tokens=None, speculative_accept_threshold_single=1.0,
                 speculative_accept_threshold_acc=1.0)
-    return settings_from_server_args(SimpleNamespace(**{**base, **kw}))
+    return medusa_settings(SimpleNamespace(**{**base, **kw}))
 
 
 def test_settings_come_from_the_heads_section_then_arguments(medusa_heads, monkeypatch):
     monkeypatch.delenv("SPECPLUG_MEDUSA_TREE", raising=False)
     s = _settings(speculative_draft_model_path=str(medusa_heads))
-    assert (s.tree.depth, s.tree.topk, s.tree.budget, s.num_nodes) == (3, 2, 7, 8)
-    assert s.verification == "lossless" and s.method == "rejection" and s.head_accuracies is not None
+    assert (s.tree.depth, s.tree.topk, s.tree.budget, medusa_nodes(s)) == (3, 2, 7, 8)
+    assert s.verification.method == "lossless" and verify_method(s) == "rejection"
+    assert s.medusa.head_accuracies is not None
     s = _settings(speculative_draft_model_path=str(medusa_heads), speculative_num_draft_tokens=5,
                   speculative_accept_threshold_single=0.2)
-    assert s.num_nodes == 5 and s.verification == "typical" and s.typical_epsilon == 0.2
-    assert s.typical_delta == 0.3  # the Medusa-2 default where no value is given
+    assert medusa_nodes(s) == 5 and verify_method(s) == "typical" and s.verification.typical_epsilon == 0.2
+    assert s.verification.typical_delta == 0.3  # the Medusa-2 default where no value is given
     monkeypatch.setenv("SPECPLUG_MEDUSA_TREE", "chain")
-    assert _settings(speculative_draft_model_path=str(medusa_heads)).num_nodes == 4  # 3 heads + root
+    assert medusa_nodes(_settings(speculative_draft_model_path=str(medusa_heads))) == 4  # 3 heads + root
     monkeypatch.setenv("SPECPLUG_MEDUSA_TREE", "[[0], [1], [0, 0]]")
     s = _settings(speculative_draft_model_path=str(medusa_heads))
-    assert s.choices == ((0,), (1,), (0, 0)) and s.num_nodes == 4
+    assert s.medusa.choices == ((0,), (1,), (0, 0)) and medusa_nodes(s) == 4
+    for value, on in (("1", True), ("0", False)):  # the schema's payoff switch, as in vLLM
+        monkeypatch.setenv("SPECPLUG_PAYOFF", value)
+        assert _settings(speculative_draft_model_path=str(medusa_heads)).payoff is on
 
 
 def test_medusa_draft_temperature(medusa_heads, monkeypatch):
@@ -97,7 +101,7 @@ def _retrieval(environ=None, name="retrieval", **kw):
     from types import SimpleNamespace
 
     base = dict(speculative_num_steps=None, speculative_num_draft_tokens=None)
-    return token_settings_from_server_args(name, SimpleNamespace(**{**base, **kw}), environ or {})
+    return token_settings(name, SimpleNamespace(**{**base, **kw}), environ or {})
 
 
 def test_retrieval_settings_come_from_the_defaults_then_environment_then_arguments(tmp_path):
@@ -136,7 +140,7 @@ def _eagle3(head, environ=None, **kw):
 
     base = dict(speculative_draft_model_path=str(head), speculative_num_steps=None, speculative_eagle_topk=None,
                 speculative_num_draft_tokens=None)
-    return eagle3_settings_from_server_args(SimpleNamespace(**{**base, **kw}), environ or {})
+    return eagle3_settings(SimpleNamespace(**{**base, **kw}), environ or {})
 
 
 @pytest.fixture(scope="module")
@@ -149,12 +153,14 @@ def eagle3_head(sgl_model):
 
 def test_eagle3_settings_come_from_the_heads_section_then_arguments(eagle3_head):
     s = _eagle3(eagle3_head)
-    assert (s.tree.depth, s.tree.topk, s.tree.budget, s.tree.stop_below, s.num_nodes) == (3, 2, 6, 0.1, 7)
+    assert (s.tree.depth, s.tree.topk, s.tree.budget, s.tree.stop_below) == (3, 2, 6, 0.1)
+    assert _eagle3(eagle3_head, {"SPECPLUG_PAYOFF": "on"}).payoff
     assert s.drafter.name == "retrieval" and s.draft_temperature is None
     s = _eagle3(eagle3_head, {"SPECPLUG_RETRIEVAL": "0", "SPECPLUG_DRAFT_TEMPERATURE": "0.7"},
                 speculative_num_steps=5, speculative_eagle_topk=1, speculative_num_draft_tokens=9)
     assert (s.tree.depth, s.tree.topk, s.tree.budget, s.drafter, s.draft_temperature) == (5, 1, 8, None, 0.7)
     assert _eagle3(eagle3_head, {"SPECPLUG_DRAFT_TEMPERATURE": " 0.0"}).draft_temperature is None
+    assert not _eagle3(eagle3_head, {"SPECPLUG_PAYOFF": "off"}).payoff
 
 
 def test_sampled_trees_fit_the_node_budget():

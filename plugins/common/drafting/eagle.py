@@ -23,6 +23,7 @@ from ..dynamic_trees import Frontier
 from ..tree import TreeBatch, TreeConfig
 from .runner import HeadRunner, Segment
 from .sampled import SampledDrafts
+from .session import stale_requests
 
 MAX_PENDING_ROWS = 512  # a request's deferred rows the head has not seen (adaptive steps without drafts)
 
@@ -257,3 +258,42 @@ class TreeExpander:
             self.tree_kv[b] = (torch.cat([tree_key, step.key[rows]]), torch.cat([tree_value, step.value[rows]]))
             self.hidden[b] = step.hidden[rows]
         return step.logprobs.view(batch, width, -1)  # [B, F, draft_vocab]
+
+
+class HeldRoots:
+    """Each request's Root from its last catch-up, for an engine that catches the head up
+    right after verification and drafts from it at the next step (SGLang).
+
+    Invariant: a held Root is drafted from only while it is in step with the engine: the
+    same root token, at position seq_len - 1. A retraction, or a commit whose states were
+    not captured, breaks that; the request then verifies its root alone until its next
+    catch-up. Requests the engine never reports finished are dropped past `max_live`
+    (session.stale_requests)."""
+
+    def __init__(self, drafting: EagleDrafting, max_live: int):
+        self.drafting, self.max_live = drafting, max_live
+        self.roots: dict[Hashable, Root] = {}
+
+    def catch_up(self, requests: list[Committed]) -> None:
+        with torch.inference_mode():
+            self.roots.update(zip((r.req_id for r in requests), self.drafting.catch_up(requests)))
+
+    def in_step(self, request_ids, tokens, seq_lens) -> list[Root | None]:
+        """Per request: its held Root where in step with the engine's root token and
+        sequence length, else None."""
+        held = [self.roots.get(rid) for rid in request_ids]
+        return [r if r is not None and r.token == t and r.position == s - 1 else None
+                for r, t, s in zip(held, tokens, seq_lens)]
+
+    def free(self, request_ids) -> None:
+        self.drafting.free(request_ids)
+        for rid in request_ids:
+            self.roots.pop(rid, None)
+
+    def clear(self) -> None:
+        self.free(list(self.drafting.caches) + list(self.roots))
+
+    def forget_stale(self, current) -> None:
+        """Free the requests not in `current` (a decode batch: every running request)
+        once more than max_live are held."""
+        self.free(stale_requests(self.roots, current, self.max_live))

@@ -6,6 +6,8 @@
 - the **sampled-draft policy** (`draws_from_q`): a request that samples (T > 0) without a
   seed draws its drafts from the head's q when sampled drafts are on; greedy and seeded
   requests keep top-k drafts (a seeded request's "coupled" draws make it reproducible);
+- the head's **catch-up and defer** (`catch_up`): no head step when a step drafts
+  nothing or the token drafter drafts alone; the rows wait for the next catch-up;
 - the **hybrid strategy** with a token drafter: the drafter alone where it offers a chain
   (`alone`), else its trees merged with the head's (trie merge; calibrated merge on
   measured acceptance when a `HybridScale` is given), chains lengthened past a short
@@ -154,6 +156,26 @@ class DraftingSession:
         rows = self.record.draft_q(request_ids, candidates, num_nodes)
         self.record.drawn = {}
         return rows
+
+    # ------------------------------------------------------------------ the head's catch-up
+
+    def catch_up(self, requests: list, kept_ids, depth: int, chains: bool = True):
+        """(the head's Roots, None) or (None, the token drafter's chains Long [len(kept_ids),
+        depth]) for an engine that hands the head each step's committed rows (`requests`,
+        drafting.eagle.Committed) and drafts for the requests `kept_ids`:
+        - depth 0 (no drafts this step): the rows wait for the next step that drafts with
+          the head, caught up in one go (None, None);
+        - `chains` and the token drafter drafts alone for the kept requests (`alone`): the
+          rows wait likewise (None, chains);
+        - else the head catches up over every request's rows: (a Root per request, None)."""
+        if depth == 0:
+            self.drafting.defer(requests)
+            return None, None
+        alone = self.alone(kept_ids, depth) if kept_ids and chains else None
+        if alone is not None:
+            self.drafting.defer(requests)
+            return None, alone
+        return (self.drafting.catch_up(requests) if requests else []), None
 
     # ------------------------------------------------------------------ chains (one path per request)
 

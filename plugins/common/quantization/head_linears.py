@@ -7,6 +7,7 @@ int4 (specplug.common.quantization.int8 / int4), each first checked against its 
 
 from __future__ import annotations
 
+import logging
 from typing import Callable, Iterable, Mapping
 
 import torch
@@ -117,6 +118,19 @@ def mismatch(name: str, weight, layer: Callable[[torch.Tensor], torch.Tensor],
         return (f"quantized {name} is {error:.3f} off its float layer (outlier weights, or not the same weights): "
                 "left as loaded")
     return None
+
+
+def use_head_weights(kind: str, fmt: str, swap: Callable[[], str | None], head: str, who: str,
+                     logger: logging.Logger) -> None:
+    """A head's "head_weights" `fmt` ("int8" / "int4"): `swap()`, the engine's way to run an
+    EAGLE-3 head's linears with those weights (None when done, else why not), for an
+    EAGLE-3 head only; then one log line from `who`: what runs, or a warning naming why
+    the head runs as loaded."""
+    reason = f"an EAGLE-1 head has no {fmt} path" if kind != "EAGLE-3" else swap()
+    if reason is None:
+        logger.info("%s: head %s runs its linears with %s weights (\"head_weights\")", who, head, fmt)
+    else:
+        logger.warning("%s: \"head_weights\" is %s but the head runs as loaded: %s", who, fmt, reason)
 
 
 def swap_linears(module: nn.Module, names: Iterable[str], fmt: str = "int8") -> str | None:
