@@ -32,18 +32,19 @@ acceptance only).
 from __future__ import annotations
 
 import logging
+
 import torch
 from sglang.srt.arg_groups.overrides import resolving_view
 from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode
 
 from specplug.common.drafting.eagle import Committed, EagleDrafting, HeldRoots
+from specplug.common.head_section import HeadSettings
 from specplug.common.quantization import head_linears
 from specplug.common.drafting.runner import TorchHeadRunner
 from specplug.common.drafting.sampled import SampledDrafts, sampled_tree
 from specplug.common.drafting.session import DraftingSession, in_batch_order
 from specplug.common.tree import DraftTree, TreeBatch, stack_trees
 from specplug.sglang_medusa import batch_view as view
-from specplug.common.head_section import HeadSettings
 from specplug.sglang_medusa.settings import eagle3_settings
 from specplug.sglang_medusa.token_worker import synced_drafter
 from specplug.common.sglang_trees import batch_layout

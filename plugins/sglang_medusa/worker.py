@@ -39,9 +39,9 @@ from specplug.common.policy.adaptive import AdaptiveController, pinned_costs, tr
 from specplug.common.drafters import MedusaDrafter, prior_accuracies
 from specplug.common.drafting.sampled import SampledDrafts, sampled_tree
 from specplug.common.drafting.session import DraftingSession, in_batch_order
+from specplug.common.head_section import HeadSettings
 from specplug.common.tree import DraftTree, TreeBatch, TreeConfig
 from specplug.sglang_medusa import batch_view as view
-from specplug.common.head_section import HeadSettings
 from specplug.sglang_medusa.settings import medusa_settings, verify_method
 from specplug.sglang_medusa.token_worker import synced_drafter
 from specplug.common.sglang_trees import ROOT_ONLY, batch_layout, root_only_batch, tree_layout
