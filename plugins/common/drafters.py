@@ -121,12 +121,12 @@ class Eagle3Drafter:
                     f"request {request_ids[b]!r}: hidden has {h.shape[0]} rows but {t.shape[0]} next "
                     "tokens were given: pass the target's states at the root and every accepted node"
                 )
-        combined = self.runner.combine(torch.cat([h.to(self.runner.device) for h in aux_hidden]))  # [sum n, H]
+        states = torch.cat([h.to(self.runner.device) for h in aux_hidden])  # [sum n, Hc]: catch_up combines them
         committed, offset = [], 0
         for rid, tokens in zip(request_ids, next_tokens):
             n, start = tokens.shape[0], self.drafting.length(rid)
             positions = torch.arange(start, start + n)
-            committed.append(Committed(rid, tokens.to(self.runner.device), positions, combined[offset:offset + n]))
+            committed.append(Committed(rid, tokens.to(self.runner.device), positions, states[offset:offset + n]))
             offset += n
         self.roots.update(zip(request_ids, self.drafting.catch_up(committed)))
 

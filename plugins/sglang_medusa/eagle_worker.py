@@ -140,14 +140,13 @@ class Eagle3Worker(TreeVerifyWorker):
         aux = result.logits_output.hidden_states  # [sum n, 3 * H_target]
         if aux is None:
             return
-        hidden = self.drafting.runner.combine(aux)  # [sum n, H]
         sampled = result.next_token_ids.tolist()
         requests, offset = [], 0
         for i, (req, (start, n)) in enumerate(zip(view.requests(batch), view.extend_spans(batch))):
             known = list(view.prompt_ids(req)) + list(view.output_ids(req))
             after = known[start + 1:start + n] + [known[start + n] if start + n < len(known) else sampled[i]]
             requests.append(Committed(view.request_id(req), torch.tensor(after), torch.arange(start, start + n),
-                                      hidden[offset:offset + n]))
+                                      aux[offset:offset + n]))  # the head combines them at its catch-up
             offset += n
         self.roots.catch_up(requests)
 
@@ -161,12 +160,12 @@ class Eagle3Worker(TreeVerifyWorker):
         accepted = verdict.num_accepted.tolist()
         seq_lens = view.seq_lens(batch).tolist()
         rows = torch.cat([b * n + verdict.accepted_nodes[b, :accepted[b] + 1] for b in range(bs)])
-        combined = self.drafting.runner.combine(hidden[rows.to(hidden.device)])  # [sum m + 1, H]
+        accepted_states = hidden[rows.to(hidden.device)]  # [sum m + 1, Hc]
         requests, offset = [], 0
         for b, rid in enumerate(view.request_ids(batch)):
             m = accepted[b] + 1
             requests.append(Committed(rid, emitted[b, :m].cpu(), torch.arange(seq_lens[b], seq_lens[b] + m),
-                                      combined[offset:offset + m]))
+                                      accepted_states[offset:offset + m]))
             offset += m
         self.roots.catch_up(requests)
         # SGLang reports only requests that finish in a decode step (not one that ends at

@@ -309,7 +309,7 @@ class SpecplugEagleProposer(EagleProposer):
         starts = attn_metadata.query_start_loc_cpu[: batch + 1].tolist()
         rejected = [0] * batch if num_rejected is None else num_rejected[:batch].tolist()
         total = starts[-1]
-        hidden = self.drafting.runner.combine(aux_hidden[:total])  # [T, H]
+        hidden = aux_hidden[:total]  # [T, Hc]: the head combines the rows it runs (EagleDrafting.catch_up)
         positions = positions[:total].clone()  # vLLM reuses its buffer; backlogs keep views
         shifted = token_ids[:total].clone()  # [T]: row i's committed next token ...
         shifted[:-1] = token_ids[1:total]

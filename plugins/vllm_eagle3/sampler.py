@@ -158,11 +158,16 @@ class SpecplugChainSampler:
             self._log_once(reason)
         num_nodes = torch.tensor(metadata.num_draft_tokens) + 1
         batch, width = len(num_nodes), int(num_nodes.max())
-        starts = (torch.cumsum(num_nodes, 0) - num_nodes).to(logits.device)
-        out = self.vllm_sampler.sampler(logits=logits[starts], sampling_metadata=sampling_metadata)
+        if width == 1:  # no drafts this step: the logits rows are the roots', in order
+            roots = logits[:batch]
+        else:
+            roots = logits[(torch.cumsum(num_nodes, 0) - num_nodes).to(logits.device)]
+        out = self.vllm_sampler.sampler(logits=roots, sampling_metadata=sampling_metadata)
         if self.tree is not None:
             self.tree.accept(torch.zeros(batch, 1, dtype=torch.long), torch.zeros(batch, dtype=torch.long))
         self._verified(metadata.num_draft_tokens, torch.zeros(batch, dtype=torch.long))
+        if width == 1:
+            return out
         tokens = out.sampled_token_ids.new_full((batch, width), -1)
         tokens[:, 0] = out.sampled_token_ids[:, 0]
         logprobs = out.logprobs_tensors

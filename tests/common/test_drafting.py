@@ -26,15 +26,21 @@ def runner(target):
 
 
 @pytest.fixture(scope="module")
-def hidden(target, runner):
-    """[len(TEXT), H]: the head's combined target states over TEXT."""
+def states(target, runner):
+    """[len(TEXT), 3 H]: the target's aux states over TEXT, as an engine captures them."""
     layers = runner.head.config.resolved_aux_layer_ids(target.config.num_hidden_layers)
-    return runner.combine(target_hidden(target, TEXT, layers))
+    return target_hidden(target, TEXT, layers)
 
 
-def rows(req_id, hidden, start, stop):
+@pytest.fixture(scope="module")
+def hidden(runner, states):
+    """[len(TEXT), H]: the head's combined target states over TEXT."""
+    return runner.combine(states)
+
+
+def rows(req_id, states, start, stop):
     """Committed rows start..stop-1 of TEXT: token after position i is TEXT[i + 1]."""
-    return Committed(req_id, TEXT[start + 1:stop + 1], torch.arange(start, stop), hidden[start:stop])
+    return Committed(req_id, TEXT[start + 1:stop + 1], torch.arange(start, stop), states[start:stop])
 
 
 def assert_same_root(a, b):
@@ -79,60 +85,64 @@ def test_a_step_split_into_padded_groups_equals_one_forward(runner, hidden, monk
         torch.testing.assert_close(getattr(split, field), getattr(whole, field), rtol=1e-3, atol=1e-3)
 
 
-def test_catch_up_after_rollback_equals_a_fresh_request(runner, hidden):
+def test_catch_up_after_rollback_equals_a_fresh_request(runner, states):
     drafting, fresh = EagleDrafting(runner), EagleDrafting(runner)
-    drafting.catch_up([rows("a", hidden, 0, 8)])
-    (rolled,) = drafting.catch_up([rows("a", hidden, 5, 10)])  # the engine discarded positions 5..7
-    (want,) = fresh.catch_up([rows("a", hidden, 0, 10)])
+    drafting.catch_up([rows("a", states, 0, 8)])
+    (rolled,) = drafting.catch_up([rows("a", states, 5, 10)])  # the engine discarded positions 5..7
+    (want,) = fresh.catch_up([rows("a", states, 0, 10)])
     assert_same_root(rolled, want)
     assert drafting.caches["a"].positions.tolist() == list(range(10))
 
 
-def test_deferred_rows_equal_catching_up_every_step(runner, hidden):
+def test_deferred_rows_equal_catching_up_every_step(runner, states):
+    """Rows that wait are combined with the rest at the next catch-up, from copies (the
+    engine may overwrite the buffer they came from), and give the same root and trees."""
     deferred, eager = EagleDrafting(runner), EagleDrafting(runner)
     for start, stop in ((0, 4), (4, 6), (6, 9)):
-        eager.catch_up([rows("a", hidden, start, stop)])
-    deferred.catch_up([rows("a", hidden, 0, 4)])
-    deferred.defer([rows("a", hidden, 4, 7)])
-    deferred.defer([rows("a", hidden, 6, 8)])  # a step that rolled back position 6 of the last one
-    deferred.catch_up([rows("a", hidden, 8, 9)])
-    (want,) = eager.catch_up([rows("a", hidden, 9, 10)])
-    (root,) = deferred.catch_up([rows("a", hidden, 9, 10)])
+        eager.catch_up([rows("a", states, start, stop)])
+    deferred.catch_up([rows("a", states, 0, 4)])
+    buffer = states.clone()  # the engine's capture buffer, reused after each step
+    deferred.defer([rows("a", buffer, 4, 7)])
+    buffer.zero_()
+    deferred.defer([rows("a", states, 6, 8)])  # a step that rolled back position 6 of the last one
+    deferred.catch_up([rows("a", states, 8, 9)])
+    (want,) = eager.catch_up([rows("a", states, 9, 10)])
+    (root,) = deferred.catch_up([rows("a", states, 9, 10)])
     assert_same_root(root, want)
     a, b = deferred.trees([root], TreeConfig(3, 2, 5)), eager.trees([want], TreeConfig(3, 2, 5))
     assert torch.equal(a.candidates, b.candidates) and torch.equal(a.parents, b.parents)
 
 
-def test_backlog_cap_keeps_the_newest_rows(runner, hidden):
+def test_backlog_cap_keeps_the_newest_rows(runner, states):
     drafting = EagleDrafting(runner, max_pending_rows=3)
-    drafting.catch_up([rows("a", hidden, 0, 2)])
-    drafting.defer([rows("a", hidden, 2, 5)])
-    drafting.defer([rows("a", hidden, 5, 8)])
+    drafting.catch_up([rows("a", states, 0, 2)])
+    drafting.defer([rows("a", states, 2, 5)])
+    drafting.defer([rows("a", states, 5, 8)])
     assert drafting.pending["a"].rows == 3
-    drafting.catch_up([rows("a", hidden, 8, 9)])
+    drafting.catch_up([rows("a", states, 8, 9)])
     assert drafting.caches["a"].positions.tolist() == [0, 1, 5, 6, 7, 8]  # 2..4 dropped: a gap
 
 
-def test_forget_frees_what_the_engine_dropped(runner, hidden):
+def test_forget_frees_what_the_engine_dropped(runner, states):
     drafting = EagleDrafting(runner)
-    drafting.catch_up([rows("a", hidden, 0, 3), rows("b", hidden, 0, 4)])
-    drafting.defer([rows("b", hidden, 4, 5)])
+    drafting.catch_up([rows("a", states, 0, 3), rows("b", states, 0, 4)])
+    drafting.defer([rows("b", states, 4, 5)])
     drafting.forget({"a"})
     assert set(drafting.caches) == {"a"} and not drafting.pending and drafting.length("b") == 0
 
 
-def test_held_roots_serve_only_while_in_step_with_the_engine(runner, hidden):
+def test_held_roots_serve_only_while_in_step_with_the_engine(runner, states):
     """A held Root is drafted from only at the engine's root token and seq_len - 1 (a
     negative control for each); free and clear drop the head state with it; past
     max_live, requests missing from the decode batch are freed."""
     held = HeldRoots(EagleDrafting(runner), max_live=2)
-    held.catch_up([rows("a", hidden, 0, 5), rows("b", hidden, 0, 3)])
+    held.catch_up([rows("a", states, 0, 5), rows("b", states, 0, 3)])
     token_a, token_b = int(TEXT[5]), int(TEXT[3])
     found = held.in_step(["a", "b", "c"], [token_a, token_b, 1], [5, 3, 1])  # root at seq_len - 1
     assert [r is not None for r in found] == [True, True, False] and found[0].position == 4
     assert held.in_step(["a"], [token_a + 1], [5]) == [None]  # another root token: a retraction
     assert held.in_step(["a"], [token_a], [6]) == [None]  # a step the head did not see
-    held.catch_up([rows("c", hidden, 0, 2)])
+    held.catch_up([rows("c", states, 0, 2)])
     held.forget_stale(["a", "c"])  # three held, bound two: "b" was never reported finished
     assert set(held.roots) == {"a", "c"} and held.drafting.length("b") == 0
     held.free(["a"])

@@ -34,7 +34,7 @@ class Committed(NamedTuple):
     req_id: Hashable
     shifted: torch.Tensor  # Long [n]: the committed token after each position; the last = the new root
     positions: torch.Tensor  # Long [n] ascending
-    hidden: torch.Tensor  # [n, H] the target's combined states at those positions (runner.combine)
+    hidden: torch.Tensor  # [n, Hc] the target's states there as captured (catch_up combines them: runner.combine)
 
 
 class Root(NamedTuple):
@@ -157,7 +157,9 @@ class EagleDrafting:
     def catch_up(self, requests: list[Committed]) -> list[Root]:
         """Roll each request's cache back to its first new position (what the engine
         rejected), run ONE head step over all newly committed rows (deferred ones first;
-        input i pairs shifted[i] with hidden i), append the new KV; a Root per request."""
+        input i pairs shifted[i] with the combined state of hidden i), append the new KV;
+        a Root per request. The states are combined here, once for all rows, so rows that
+        wait (defer) and are dropped or never drafted from cost no head compute."""
         requests = [self._with_pending(r) for r in requests]
         segments, offset = [], 0
         for request in requests:
@@ -168,7 +170,8 @@ class EagleDrafting:
             segments.append(Segment(slice(offset, offset + n), cache.key, cache.value, mask))
             offset += n
         last_rows = torch.tensor([seg.rows.stop - 1 for seg in segments])  # each request's root row
-        step = self.runner.step(torch.cat([r.shifted for r in requests]), torch.cat([r.hidden for r in requests]),
+        hidden = self.runner.combine(torch.cat([r.hidden for r in requests]))  # [T, H]
+        step = self.runner.step(torch.cat([r.shifted for r in requests]), hidden,
                                 torch.cat([r.positions for r in requests]), segments, logit_rows=last_rows)
         roots = []
         for i, (request, seg) in enumerate(zip(requests, segments)):
@@ -180,11 +183,12 @@ class EagleDrafting:
 
     def defer(self, requests: list[Committed]) -> None:
         """Keep the committed rows for the next catch-up (the newest max_pending_rows
-        per request: Backlog)."""
+        per request: Backlog), as copies: an engine may reuse the buffers they view."""
         for request in requests:
             backlog = self.pending.setdefault(request.req_id, Backlog())
             backlog.cut(int(request.positions[0]))
-            backlog.add(request, self.max_pending_rows)
+            kept = _rows(request, slice(-self.max_pending_rows, None))
+            backlog.add(kept._replace(hidden=kept.hidden.clone()), self.max_pending_rows)
 
     def trees(self, roots: list[Root], tree: TreeConfig, sampled: SampledDrafts | None = None,
               request_ids=()) -> TreeBatch:
