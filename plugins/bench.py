@@ -214,8 +214,8 @@ def identical_to_none(results: Sequence[RunResult]) -> list[float | None]:
 
 
 def add_speedups(rows: list[dict]) -> None:
-    """speedup = tok/s over the same engine's `none` run at the same batch size;
-    round_speedups (interleaved runs) = the same ratio per round (round_speedups)."""
+    """speedup = tok/s over the same engine's `none` run at the same batch size; for
+    interleaved runs also round_speedups, the same ratio round by round."""
     base = {(r["engine"], r["batch_size"]): r for r in rows if r["method"] == "none"}
     for r in rows:
         ref = base.get((r["engine"], r["batch_size"]))
@@ -227,8 +227,9 @@ def round_speedups(row: dict, none: dict) -> list[float] | None:
     """Per interleaved round, the row's tok/s over `none`'s in the same round: the same
     prompts, run back to back, so their spread shows how far the host's noise moves one
     ratio. None without rounds (or with a round that timed nothing)."""
-    pairs = list(zip(row.get("rounds") or [], none.get("rounds") or []))
-    if not pairs or len(pairs) != len(row["rounds"]) or any(s <= 0 or bs <= 0 or bt <= 0 for (_, s), (bt, bs) in pairs):
+    mine, base = row.get("rounds") or [], none.get("rounds") or []
+    pairs = list(zip(mine, base))
+    if not pairs or len(mine) != len(base) or any(s <= 0 or bs <= 0 or bt <= 0 for (_, s), (bt, bs) in pairs):
         return None
     return [(t / s) / (bt / bs) for (t, s), (bt, bs) in pairs]
 
