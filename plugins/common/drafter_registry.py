@@ -75,14 +75,10 @@ def drafter_choice(section: Mapping[str, Any], environ: Mapping[str, str] = os.e
     return None if section.get("drafter") in (None, False) else _choice(section["drafter"], "specplug \"drafter\"")
 
 
-def drafter_class(name: str):
-    """The class registered as drafter `name` (ValueError lists the registered ones)."""
-    return get_drafter(name)
-
-
 def check_choice(choice: DrafterChoice) -> None:
-    """Raise ValueError when the drafter is not registered or its settings are wrong."""
-    cls = drafter_class(choice.name)
+    """Raise ValueError when the drafter is not registered (get_drafter lists the registered
+    ones) or its settings are wrong."""
+    cls = get_drafter(choice.name)
     try:
         cls.check_settings(dict(choice.settings))
     except ValueError as exc:
@@ -92,7 +88,7 @@ def check_choice(choice: DrafterChoice) -> None:
 def build(choice: DrafterChoice, vocab_size: int) -> TokenDrafter:
     """The drafter `choice` names, built with its settings."""
     check_choice(choice)
-    return drafter_class(choice.name).from_settings(dict(choice.settings), vocab_size)
+    return get_drafter(choice.name).from_settings(dict(choice.settings), vocab_size)
 
 
 def bind_target(drafter: TokenDrafter, target) -> None:

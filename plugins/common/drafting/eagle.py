@@ -295,7 +295,8 @@ class HeldRoots:
             self.roots.pop(rid, None)
 
     def clear(self) -> None:
-        self.free(list(self.drafting.caches) + list(self.roots))
+        self.drafting.forget(())
+        self.roots.clear()
 
     def forget_stale(self, current) -> None:
         """Free the requests not in `current` (a decode batch: every running request)
