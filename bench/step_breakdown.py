@@ -2,7 +2,7 @@
 
     LD_PRELOAD=$V/lib/libiomp5.so $V/bin/python bench/step_breakdown.py \
         [--methods none,eagle3,specplug,specplug-tree,specplug-hybrid] [--num-prompts 4] \
-        [--max-new-tokens 96] [--prompts mtbench] [--md OUT.md]
+        [--max-new-tokens 96] [--prompts mtbench] [--batch-size 1] [--plain] [--md OUT.md]
 
 Each method runs in its own in-process engine (the `specplug bench` runner: same heads,
 same settings). After warm-up, timers wrap the engine step, the target model's forward,
@@ -12,7 +12,9 @@ catch-up and tree forwards, tree building, path choice; of which the head's catc
 its trees, and the retrieval drafter's sync + lookup), and the sampler (specplug's
 verification, or vLLM's). "rest" is the step minus those: vLLM's scheduler, input
 preparation, KV bookkeeping, output processing. Times are means per engine step in ms;
-tokens/step counts emitted tokens. Run it on a quiet machine.
+tokens/step counts emitted tokens. With --plain, payoff control is pinned to depth 0, so
+each specplug step drafts nothing: what a plain step costs through the speculative
+engine, next to `none`. Run it on a quiet machine.
 """
 
 from __future__ import annotations
@@ -81,9 +83,22 @@ def instrument(llm, timers: Timers) -> None:
         runner.sampler = TimedCallable(runner.sampler, timers, "sampler")
 
 
-def measure(runner, method: str, prompts, batch_size: int) -> dict:
-    """Per-step means (ms) of each part for one method, plus tokens per step and tok/s."""
+def pin_plain(llm) -> None:
+    """Payoff control of `llm`'s specplug proposer chooses depth 0 (no drafts) every step."""
+    runner = llm.llm_engine.model_executor.driver_worker.worker.model_runner
+    clock = getattr(getattr(runner, "drafter", None), "payoff", None)
+    if clock is None:
+        raise SystemExit("step_breakdown --plain: the method runs no payoff control (a specplug method with "
+                         "\"payoff\" on is needed)")
+    clock.control._decide = lambda bucket, batch: 0
+
+
+def measure(runner, method: str, prompts, batch_size: int, plain: bool = False) -> dict:
+    """Per-step means (ms) of each part for one method, plus tokens per step and tok/s;
+    `plain`: specplug methods draft nothing (pin_plain)."""
     llm = runner._engine(method)
+    if plain and method != "none":
+        pin_plain(llm)
     timers = Timers()
     instrument(llm, timers)
     result = runner.run(method, prompts, batch_size)
@@ -113,6 +128,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-prompts", type=int, default=4)
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--batch-size", type=int, default=1)
+    parser.add_argument("--plain", action="store_true",
+                        help="pin payoff control to depth 0: specplug steps draft nothing (the cost of a plain step)")
     parser.add_argument("--head", default=None, help="EAGLE-3 head (default: the committed test-bed head)")
     parser.add_argument("--md", default=None, help="also write the table to this file")
     args = parser.parse_args(argv)
@@ -125,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     prompts = [p.text for p in data.prompts(args.prompts, runner.tokenizer, limit=args.num_prompts)]
     rows = []
     for method in args.methods.split(","):
-        rows.append(measure(runner, method, prompts, args.batch_size))
+        rows.append(measure(runner, method, prompts, args.batch_size, args.plain))
         print(markdown(rows[-1:]).splitlines()[-1], flush=True)
     runner.close()
     table = markdown(rows)
