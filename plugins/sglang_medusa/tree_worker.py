@@ -167,15 +167,6 @@ class TreeVerifyWorker(BaseSpecWorker):
 
     # ------------------------------------------------------------------ hybrid drafting
 
-    def _with_token_drafts(self, batch, trees: TreeBatch, budget: int, depth: int) -> TreeBatch:
-        """The head's trees merged with the token drafter's (rooted at the same last
-        committed tokens, paths up to `depth`) into at most `budget` draft nodes per
-        request (DraftingSession.merged); `trees` itself when the worker is not hybrid."""
-        if self.token_drafts is None:
-            return trees
-        self.token_drafts.sync(batch)
-        return self.session.merged(trees, view.request_ids(batch), depth, budget)
-
     def _draft_q(self, batch, tree: TreeBatch):
         """q of the step's drafts drawn from q: {row: q Float [k, V]} from the session's step
         record, or TreeBatch.draft_probs (every row) for a worker without a session."""
