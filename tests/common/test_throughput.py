@@ -235,3 +235,37 @@ def test_requests_without_drafts_in_a_drafting_step_count_as_rejections():
     assert settle(per_request=True).count(2) >= 36  # the negative control: judged by its drafters alone
     clock = CycleClock(PayoffControl(2, arms=(2,)))
     assert clock.step(4) == clock.depth == 0
+
+
+class SlowSpellEngine(SimulatedEngine):
+    """SimulatedEngine whose host runs 30% slower during cycles [start, end)."""
+
+    def __init__(self, start: int, end: int, **costs):
+        super().__init__(**costs)
+        self.cycles, self.start, self.end = 0, start, end
+
+    def cycle(self, batch, depth):
+        self.cycles += 1
+        seconds, drafts, accepted = super().cycle(batch, depth)
+        return seconds * (1.3 if self.start <= self.cycles < self.end else 1.0), drafts, accepted
+
+
+class KeepsOldTimings(PayoffControl):
+    """Negative control: probes add to a depth's old timings instead of timing it afresh."""
+
+    def _retime(self, bucket, depth):
+        pass
+
+
+def test_a_probe_times_a_depth_afresh_so_a_slow_spell_does_not_keep_drafting_at_a_loss():
+    """Plain steps win by ~3.5% on this engine at batch 8, but the host runs 30% slower
+    while they are first timed: depth 1, timed after the spell, looks better. The first
+    probe re-times plain steps afresh and they win again; with probes adding to the old
+    timings instead, drafting goes on at a loss for the rest of the run."""
+    costs = dict(base=0.060, per_token=0.003, draft=0.040)
+    assert SimulatedEngine(**costs).expected_rate(8, 0) > 1.03 * SimulatedEngine(**costs).expected_rate(8, 1)
+    for control, drafting in ((PayoffControl(MAX_DEPTH), False), (KeepsOldTimings(MAX_DEPTH), True)):
+        _, chosen = run(control, SlowSpellEngine(1, 4, **costs), 8, 600)
+        assert chosen[:3] == [0, 0, 0] and 1 in chosen[3:10]  # plain timed in the spell, then depth 1
+        share = sum(d > 0 for d in chosen[200:]) / len(chosen[200:])
+        assert (share > 0.9) if drafting else (share < 0.1), share

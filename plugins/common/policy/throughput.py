@@ -27,9 +27,11 @@ smaller bucket (an arm that loses at batch 4 is not explored at batch 8). Then a
 neighbour of the best arm (the one timed longest ago) is re-timed `probe_every` cycles
 later, and again after twice as many cycles each time the best arm stays the same (up to
 `max_probe_every`; back to `probe_every` when it changes), so the choice follows changes
-in load and acceptance while a settled choice pays for almost no probes. The first
+in load and acceptance while a settled choice pays for almost no probes. A probed depth
+drops its earlier timings and is timed afresh (`min_samples` cycles, one where it loses
+clearly), so a timing taken while the host ran slow cannot outlive the probes. The first
 drafting cycle after plain ones carries the head's deferred catch-up: it is not timed,
-and a drafting probe from plain runs two cycles.
+and a drafting probe from plain runs one cycle more than it is timed.
 
 Invariant: any choice is lossless (the engine verifies exactly the drafts it is handed),
 and the choice is a function of the recorded timings and acceptance only. Under tensor
@@ -123,6 +125,7 @@ class PayoffControl:
         self._next_probe: dict[int, int] = {}  # bucket -> the cycle of its next probe
         self._probe_every: dict[int, int] = {}  # bucket -> cycles between its probes now
         self._best_at_probe: dict[int, int] = {}  # bucket -> the best depth at its last probe
+        self._earlier: dict[tuple[int, int], float] = {}  # (bucket, depth) -> mean cost before its last re-timing
 
     @classmethod
     def all_or_none(cls, depth: int, ranks: RankGroup = ALONE) -> "PayoffControl":
@@ -156,8 +159,15 @@ class PayoffControl:
         return depth
 
     def cost(self, bucket: int, depth: int) -> float | None:
-        """Mean seconds of a cycle of `depth` at `bucket`, None before min_samples timings
-        (one is enough for a drafting depth that loses clearly: _loses_clearly)."""
+        """Mean seconds of a cycle of `depth` at `bucket` (timed_cost); while a probe re-times
+        it, the mean of its earlier timings; None before it was ever timed."""
+        timed = self.timed_cost(bucket, depth)
+        return self._earlier.get((bucket, depth)) if timed is None else timed
+
+    def timed_cost(self, bucket: int, depth: int) -> float | None:
+        """Mean seconds of the current timings of `depth` at `bucket`, None before
+        min_samples of them (one is enough for a drafting depth that loses clearly:
+        _loses_clearly)."""
         samples = self.times.get((bucket, depth), ())
         if not samples:
             return None
@@ -190,7 +200,7 @@ class PayoffControl:
         held, self._held = self._held, []  # a probe's second cycle, unless the batch moved to another bucket
         if held and held[0][0] == bucket:
             return held[0][1]
-        untimed = [d for d in self.arms if self.cost(bucket, d) is None]
+        untimed = [d for d in self.arms if self.timed_cost(bucket, d) is None]
         if untimed and (untimed[0] == 0 or self._could_win(bucket, batch, untimed[0])):
             return untimed[0]
         best = self.best(bucket, batch)
@@ -202,9 +212,19 @@ class PayoffControl:
         if not neighbours:
             return best
         probe = min(neighbours, key=lambda d: self.timed_at.get((bucket, d), -1))
+        self._retime(bucket, probe)
         if probe > 0 and self._previous == 0:
             self._held.append((bucket, probe))  # the first drafting cycle after plain ones is not timed
         return probe
+
+    def _retime(self, bucket: int, depth: int) -> None:
+        """A probed depth is timed afresh: its earlier timings, taken at another load or host
+        speed, are dropped, so it competes with the best depth's recent ones (min_samples
+        cycles, or one where it loses clearly; until then `cost` reads the earlier mean)."""
+        samples = self.times[(bucket, depth)]
+        if samples:
+            self._earlier[(bucket, depth)] = sum(samples) / len(samples)
+        samples.clear()
 
     def _probe_due(self, bucket: int, best: int) -> bool:
         """Whether this cycle re-times a neighbour of `best`; schedules the next probe."""
