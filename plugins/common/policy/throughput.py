@@ -160,7 +160,7 @@ class PayoffControl:
 
     def cost(self, bucket: int, depth: int) -> float | None:
         """Mean seconds of a cycle of `depth` at `bucket` (timed_cost); while a probe re-times
-        it, the mean of its earlier timings; None before it was ever timed."""
+        it, the mean of its earlier timings; None until its first timings are in."""
         timed = self.timed_cost(bucket, depth)
         return self._earlier.get((bucket, depth)) if timed is None else timed
 
