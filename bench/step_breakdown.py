@@ -85,8 +85,9 @@ def instrument(llm, timers: Timers) -> None:
 
 def pin_plain(llm) -> None:
     """Payoff control of `llm`'s specplug proposer chooses depth 0 (no drafts) every step."""
-    runner = llm.llm_engine.model_executor.driver_worker.worker.model_runner
-    clock = getattr(getattr(runner, "drafter", None), "payoff", None)
+    from specplug.vllm_eagle3.bench_runner import engine_drafter
+
+    clock = getattr(engine_drafter(llm), "payoff", None)
     if clock is None:
         raise SystemExit("step_breakdown --plain: the method runs no payoff control (a specplug method with "
                          "\"payoff\" on is needed)")
