@@ -221,10 +221,10 @@ class PayoffControl:
         """A probed depth is timed afresh: its earlier timings, taken at another load or host
         speed, are dropped, so it competes with the best depth's recent ones (min_samples
         cycles, or one where it loses clearly; until then `cost` reads the earlier mean)."""
-        samples = self.times[(bucket, depth)]
-        if samples:
-            self._earlier[(bucket, depth)] = sum(samples) / len(samples)
-        samples.clear()
+        timed = self.timed_cost(bucket, depth)
+        if timed is not None:
+            self._earlier[(bucket, depth)] = timed
+        self.times[(bucket, depth)].clear()
 
     def _probe_due(self, bucket: int, best: int) -> bool:
         """Whether this cycle re-times a neighbour of `best`; schedules the next probe."""
