@@ -168,11 +168,11 @@ class SpecplugEagleProposer(EagleProposer):
         discarded = self.state.discarded(batch)
         rows, requests = self._committed_rows(token_ids, positions, aux_hidden, next_token_ids,
                                               attn_metadata, num_rejected, discarded)
-        if self.token_drafter is not None:
-            self._sync_token_drafter(requests)
         keep = [i for i, b in enumerate(rows) if not discarded[b]]  # vLLM drops partial prefills' drafts
         if self.adaptive is not None or self.payoff is not None:
             depth = self._choose_depth(len(keep)) if keep else 0
+        if self.token_drafter is not None and depth > 0:  # else the next drafting step fills it in
+            self._sync_token_drafter(requests)
         kept_ids = [requests[i][0] for i in keep]
         roots, alone = self.session.catch_up(requests, kept_ids, depth, chains=self.tree_verifier is None)
         if alone is not None:
@@ -295,7 +295,8 @@ class SpecplugEagleProposer(EagleProposer):
     def _sync_token_drafter(self, requests):
         """Bring the token drafter's copy of each request's committed tokens to what
         vLLM committed this step (DraftingSession.sync_tokens: cut what vLLM discarded,
-        fill what it has not seen from vLLM's request state), then append the new tokens."""
+        fill what it has not seen from vLLM's request state, such as the tokens of steps
+        without drafts, which skip this), then append the new tokens."""
         for req_id, shifted, positions, _ in requests:
             if self.session.sync_tokens(req_id, int(positions[0]) + 1, lambda: self.state.known_tokens(req_id)):
                 self.token_drafter.extend(req_id, shifted)

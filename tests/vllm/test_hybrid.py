@@ -11,7 +11,7 @@ import torch
 
 pytest.importorskip("vllm", reason="needs the vLLM environment: bash scripts/test.sh vllm")
 
-from tests.vllm.conftest import SPECPLUG_CHAIN, drafter_of  # noqa: E402
+from tests.vllm.conftest import NUM_SPEC_TOKENS, SPECPLUG_CHAIN, drafter_of  # noqa: E402
 from tests.vllm.test_stage_chain import params, run, token_ids  # noqa: E402
 from tests.vllm.test_stage_tree import BUDGET, SPECPLUG_TREE_SECTION  # noqa: E402
 from tests.support.tiny_eagle3 import tiny_head_dir  # noqa: E402
@@ -205,3 +205,32 @@ def test_gate_flag():
     assert not adapter_settings({"gate": True}, {"SPECPLUG_GATE": "0"}).gate
     with pytest.raises(ValueError, match="needs stage \"chain\""):
         adapter_settings({"stage": "tree", "gate": True})
+
+
+def test_steps_without_drafts_leave_the_token_drafter_to_catch_up_when_drafting_resumes(engine, target,
+                                                                                        monkeypatch):
+    """With payoff control, a step that drafts nothing does not touch the token drafter;
+    the next step that drafts fills in the tokens it skipped from vLLM's request state.
+    Forced depths 0, 0, 0, 3, ...: at every drafting step the drafter holds exactly the
+    tokens vLLM committed (its request state, then the token sampled this step), and greedy
+    output is unchanged."""
+    monkeypatch.delenv("SPECPLUG_PAYOFF", raising=False)
+    head = tiny_head_dir(target, specplug={**SPECPLUG_CHAIN, "retrieval": RETRIEVAL, "payoff": True})
+    llm = engine(target, head)
+    proposer = drafter_of(llm)
+    depths, chosen = iter([0, 0, 0, NUM_SPEC_TOKENS] * 1000), []
+    monkeypatch.setattr(proposer.payoff.control, "choose", lambda batch: chosen.append(next(depths)) or chosen[-1])
+    synced, held, sync = [], [], proposer._sync_token_drafter
+
+    def checked(requests):
+        synced.append(len(requests))
+        sync(requests)
+        for req_id, *_ in requests:
+            held.append(proposer.token_drafter.tokens(req_id)[:-1] == proposer.state.known_tokens(req_id))
+
+    monkeypatch.setattr(proposer, "_sync_token_drafter", checked)
+    sampling = params(max_tokens=32, temperature=0.0)
+    spec, stats = run(llm, REPEATING, sampling)
+    assert stats.num_drafts > 0 and held and all(held)
+    assert len(synced) == sum(d > 0 for d in chosen)  # synced at drafting steps only
+    assert spec == token_ids(engine(target).generate(REPEATING, sampling, use_tqdm=False))
