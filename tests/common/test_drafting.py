@@ -2,8 +2,8 @@
 (drafting.runner.TorchHeadRunner), on the tiny Llama: a batched step equals one step per
 request, a catch-up after an engine roll-back equals never having seen the rolled-back
 rows, deferred rows equal catching up every step, the backlog cap drops the oldest rows,
-forget frees finished requests, held roots serve only while in step with the engine,
-and a DraftCache's buffers hold exactly what copying
+forget frees finished requests, held roots serve only while in step with the engine
+(deferred rows caught up when drafting resumes), and a DraftCache's buffers hold exactly what copying
 would; masked_attention equals SDPA over repeated keys."""
 
 import pytest
@@ -149,6 +149,29 @@ def test_held_roots_serve_only_while_in_step_with_the_engine(runner, states):
     assert set(held.roots) == {"c"} and held.drafting.length("a") == 0
     held.clear()
     assert not held.roots and not held.drafting.caches
+
+
+def test_held_roots_defer_steps_without_drafts_and_catch_up_when_drafting_resumes(runner, states):
+    """Rows deferred over steps without drafts are caught up at the next in_step, in one
+    head step: the Root equals catching up every step; before it the held Root is out of
+    step (a negative control: without the catch-up in_step finds nothing to draft from)."""
+    every, deferred = HeldRoots(EagleDrafting(runner), max_live=4), HeldRoots(EagleDrafting(runner), max_live=4)
+    for held in (every, deferred):
+        held.catch_up([rows("a", states, 0, 4), rows("b", states, 0, 3)])
+    for start in range(4, 7):  # three plain steps, one row each (b stays out of the batch)
+        every.catch_up([rows("a", states, start, start + 1)])
+        deferred.defer([rows("a", states, start, start + 1)])
+    assert deferred.roots["a"].position == 3 and deferred.drafting.pending  # nothing ran yet
+    token = int(TEXT[7])
+    found = deferred.in_step(["a", "b"], [token, int(TEXT[3])], [7, 3])
+    assert_same_root(found[0], every.in_step(["a"], [token], [7])[0])
+    assert found[1] is not None and not deferred.drafting.pending
+    assert deferred.drafting.length("a") == every.drafting.length("a") == 7
+    without = HeldRoots(EagleDrafting(runner), max_live=4)
+    without.catch_up([rows("a", states, 0, 4)])
+    without.drafting.defer([rows("a", states, 4, 7)])
+    without.drafting.pending.clear()  # the deferred rows lost: the held Root stays out of step
+    assert without.in_step(["a"], [token], [7]) == [None]
 
 
 def test_draft_cache_buffers_equal_copies():

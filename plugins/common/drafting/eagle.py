@@ -137,8 +137,15 @@ class Backlog:
     def before(self, request: Committed) -> Committed:
         """`request` with the backlog prepended."""
         self.cut(int(request.positions[0]))
-        parts = self.chunks + [request]
-        return Committed(request.req_id, *(torch.cat([c[i] for c in parts]) for i in (1, 2, 3)))
+        return _joined(request.req_id, self.chunks + [request])
+
+    def alone(self, req_id) -> Committed | None:
+        """The backlog's rows as one Committed, None when it holds none."""
+        return _joined(req_id, self.chunks) if self.chunks else None
+
+
+def _joined(req_id, parts: list[Committed]) -> Committed:
+    return Committed(req_id, *(torch.cat([c[i] for c in parts]) for i in (1, 2, 3)))
 
 
 def _rows(chunk: Committed, index) -> Committed:
@@ -180,6 +187,14 @@ class EagleDrafting:
             roots.append(Root(int(request.shifted[-1]), step.logprobs[i], step.hidden[seg.rows.stop - 1],
                               int(request.positions[-1]), cache.key, cache.value))
         return roots
+
+    def catch_up_deferred(self, request_ids) -> dict[Hashable, Root]:
+        """A Root per request of `request_ids` that has deferred rows, from one head step
+        over those rows (catch_up with nothing new); the others are left as they are."""
+        backlogs = [(r, self.pending.pop(r)) for r in request_ids if r in self.pending]
+        requests = [b.alone(r) for r, b in backlogs]
+        requests = [r for r in requests if r is not None]
+        return dict(zip((r.req_id for r in requests), self.catch_up(requests))) if requests else {}
 
     def defer(self, requests: list[Committed]) -> None:
         """Keep the committed rows for the next catch-up (the newest max_pending_rows
@@ -266,7 +281,9 @@ class TreeExpander:
 
 class HeldRoots:
     """Each request's Root from its last catch-up, for an engine that catches the head up
-    right after verification and drafts from it at the next step (SGLang).
+    right after verification and drafts from it at the next step (SGLang). After a step
+    without drafts the rows wait (`defer`); the next step that drafts catches them up
+    first (`in_step`), so steps without drafts run no head.
 
     Invariant: a held Root is drafted from only while it is in step with the engine: the
     same root token, at position seq_len - 1. A retraction, or a commit whose states were
@@ -282,9 +299,16 @@ class HeldRoots:
         with torch.inference_mode():
             self.roots.update(zip((r.req_id for r in requests), self.drafting.catch_up(requests)))
 
+    def defer(self, requests: list[Committed]) -> None:
+        """Keep a step's committed rows for the next catch-up (EagleDrafting.defer); the
+        held Roots are out of step until then."""
+        self.drafting.defer(requests)
+
     def in_step(self, request_ids, tokens, seq_lens) -> list[Root | None]:
-        """Per request: its held Root where in step with the engine's root token and
-        sequence length, else None."""
+        """Per request: its held Root, caught up over its deferred rows first, where in
+        step with the engine's root token and sequence length, else None."""
+        with torch.inference_mode():
+            self.roots.update(self.drafting.catch_up_deferred(request_ids))
         held = [self.roots.get(rid) for rid in request_ids]
         return [r if r is not None and r.token == t and r.position == s - 1 else None
                 for r, t, s in zip(held, tokens, seq_lens)]
