@@ -269,3 +269,44 @@ def test_a_probe_times_a_depth_afresh_so_a_slow_spell_does_not_keep_drafting_at_
         assert chosen[:3] == [0, 0, 0] and 1 in chosen[3:10]  # plain timed in the spell, then depth 1
         share = sum(d > 0 for d in chosen[200:]) / len(chosen[200:])
         assert (share > 0.9) if drafting else (share < 0.1), share
+
+
+
+class HoldsProbesOnly(PayoffControl):
+    """Negative control: only a probe from plain steps runs a timed cycle after its
+    catch-up; exploration and a new best run the untimed catch-up cycle alone."""
+
+    def _decide(self, bucket, batch):
+        held, self._held = self._held, []
+        if held and held[0][0] == bucket:
+            return held[0][1]
+        return self._pick(bucket, batch)
+
+    def _retime(self, bucket, depth):
+        super()._retime(bucket, depth)
+        if depth > 0 and self._previous == 0:
+            self._hold(bucket, depth)
+
+
+def test_a_switch_to_drafting_is_timed_after_its_catch_up_so_it_cannot_flip_back_untimed():
+    """The tree loses clearly on its one timing. The host then runs twice as slow, so the
+    plain step's new timings no longer leave the tree's fast one clearly losing: it is
+    explored again. Its first cycle carries the head's catch-up and is not timed; held for
+    one timed cycle, the tree is timed at the host's new speed and plain steps run until
+    the probe. Run for its catch-up cycle alone, the tree loses clearly again on the
+    acceptance that cycle brought, flips back, and the next drift repeats it: an untimed
+    tree cycle every other step, its timing never refreshed."""
+    def run(control):
+        chosen = []
+        for cycle in range(36):  # the first probe comes 32 cycles after the arms are timed
+            depth = control.choose(4)
+            seconds = (2.0 if cycle >= 6 else 1.0) * (2.6 if depth else 1.0)
+            control.cycle_done(seconds, [depth] * 4, [1, 0, 0, 0] if depth else [0] * 4)
+            chosen.append(depth)
+        return chosen, [i for i in range(1, len(chosen)) if chosen[i] and not chosen[i - 1]]
+
+    chosen, switches = run(PayoffControl.all_or_none(4))
+    assert all(chosen[i + 1] == 4 for i in switches)  # the catch-up cycle, then a timed one
+    assert len(switches) == 2  # exploration, then one on the stale timing, timed afresh
+    _, untimed = run(HoldsProbesOnly.all_or_none(4))
+    assert len(untimed) >= 5

@@ -31,7 +31,7 @@ in load and acceptance while a settled choice pays for almost no probes. A probe
 drops its earlier timings and is timed afresh (`min_samples` cycles, one where it loses
 clearly), so a timing taken while the host ran slow cannot outlive the probes. The first
 drafting cycle after plain ones carries the head's deferred catch-up: it is not timed,
-and a drafting probe from plain runs one cycle more than it is timed.
+and any switch from plain to drafting runs one cycle more, which is timed.
 
 Invariant: any choice is lossless (the engine verifies exactly the drafts it is handed),
 and the choice is a function of the recorded timings and acceptance only. Under tensor
@@ -197,9 +197,24 @@ class PayoffControl:
         return max(timed, key=lambda d: rates[d] / (self.settings.margin if d else 1.0))
 
     def _decide(self, bucket: int, batch: int) -> int:
-        held, self._held = self._held, []  # a probe's second cycle, unless the batch moved to another bucket
+        held, self._held = self._held, []  # a switch's timed cycle, unless the batch moved to another bucket
         if held and held[0][0] == bucket:
             return held[0][1]
+        depth = self._pick(bucket, batch)
+        if depth > 0 and self._previous == 0:
+            self._hold(bucket, depth)
+        return depth
+
+    def _hold(self, bucket: int, depth: int) -> None:
+        """Run `depth` for one more cycle: the first drafting cycle after plain ones carries the
+        head's catch-up and is not timed, so a switch (a probe, exploration or a new best)
+        runs one cycle more and is timed in it; else a depth whose timing is stale could be
+        switched to and away from again and again without ever being timed afresh."""
+        self._held.append((bucket, depth))
+
+    def _pick(self, bucket: int, batch: int) -> int:
+        """This cycle's depth: an untimed depth that could win, else the best, or every so
+        often a neighbour of the best re-timed (a probe)."""
         untimed = [d for d in self.arms if self.timed_cost(bucket, d) is None]
         if untimed and (untimed[0] == 0 or self._could_win(bucket, batch, untimed[0])):
             return untimed[0]
@@ -213,8 +228,6 @@ class PayoffControl:
             return best
         probe = min(neighbours, key=lambda d: self.timed_at.get((bucket, d), -1))
         self._retime(bucket, probe)
-        if probe > 0 and self._previous == 0:
-            self._held.append((bucket, probe))  # the first drafting cycle after plain ones is not timed
         return probe
 
     def _retime(self, bucket: int, depth: int) -> None:
