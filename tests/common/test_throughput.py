@@ -271,7 +271,6 @@ def test_a_probe_times_a_depth_afresh_so_a_slow_spell_does_not_keep_drafting_at_
         assert (share > 0.9) if drafting else (share < 0.1), share
 
 
-
 class HoldsProbesOnly(PayoffControl):
     """Negative control: only a probe from plain steps runs a timed cycle after its
     catch-up; exploration and a new best run the untimed catch-up cycle alone."""

@@ -191,8 +191,7 @@ class EagleDrafting:
     def catch_up_deferred(self, request_ids) -> dict[Hashable, Root]:
         """A Root per request of `request_ids` that has deferred rows, from one head step
         over those rows (catch_up with nothing new); the others are left as they are."""
-        backlogs = [(r, self.pending.pop(r)) for r in request_ids if r in self.pending]
-        requests = [b.alone(r) for r, b in backlogs]
+        requests = [self.pending.pop(r).alone(r) for r in request_ids if r in self.pending]
         requests = [r for r in requests if r is not None]
         return dict(zip((r.req_id for r in requests), self.catch_up(requests))) if requests else {}
 
