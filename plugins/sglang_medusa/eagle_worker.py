@@ -11,7 +11,7 @@ worker only translates SGLang's batches into `Committed` rows:
   after each position;
 - verify: the states of the accepted path's nodes, paired with the emitted tokens; after
   a step where payoff control drafted nothing they wait for the next step that drafts
-  (HeldRoots.defer), so a step without drafts runs no head.
+  (HeldRoots.committed), so a step without drafts runs no head.
 
 The states are what SGLang captures in CaptureHiddenMode.FULL: for an EAGLE-3 head the
 aux layers' inputs (`capture_aux_states`), for an EAGLE-1 head the target's final hidden
@@ -169,10 +169,7 @@ class Eagle3Worker(TreeVerifyWorker):
             requests.append(Committed(rid, emitted[b, :m].cpu(), torch.arange(seq_lens[b], seq_lens[b] + m),
                                       accepted_states[offset:offset + m]))
             offset += m
-        if self.payoff is not None and self.payoff.depth == 0:  # a step without drafts: no head step
-            self.roots.defer(requests)
-        else:
-            self.roots.catch_up(requests)
+        self.roots.committed(requests, drafted=self.payoff is None or self.payoff.depth > 0)
         # SGLang reports only requests that finish in a decode step (not one that ends at
         # prefill, an early stop, an abort); a decode batch holds every running request
         self.roots.forget_stale(view.request_ids(batch))

@@ -159,8 +159,8 @@ def test_held_roots_defer_steps_without_drafts_and_catch_up_when_drafting_resume
     for held in (every, deferred):
         held.catch_up([rows("a", states, 0, 4), rows("b", states, 0, 3)])
     for start in range(4, 7):  # three plain steps, one row each (b stays out of the batch)
-        every.catch_up([rows("a", states, start, start + 1)])
-        deferred.defer([rows("a", states, start, start + 1)])
+        every.committed([rows("a", states, start, start + 1)], drafted=True)
+        deferred.committed([rows("a", states, start, start + 1)], drafted=False)
     assert deferred.roots["a"].position == 3 and deferred.drafting.pending  # nothing ran yet
     token = int(TEXT[7])
     found = deferred.in_step(["a", "b"], [token, int(TEXT[3])], [7, 3])

@@ -303,6 +303,14 @@ class HeldRoots:
         held Roots are out of step until then."""
         self.drafting.defer(requests)
 
+    def committed(self, requests: list[Committed], drafted: bool) -> None:
+        """A verify step's committed rows: caught up now after a step that drafted, else
+        deferred (steps without drafts tend to follow each other, and run no head)."""
+        if drafted:
+            self.catch_up(requests)
+        else:
+            self.defer(requests)
+
     def in_step(self, request_ids, tokens, seq_lens) -> list[Root | None]:
         """Per request: its held Root, caught up over its deferred rows first, where in
         step with the engine's root token and sequence length, else None."""
