@@ -216,7 +216,8 @@ def _refuse_tree_off_cpu(vllm: dict) -> None:
 
 
 def _vllm_medusa(plan: dict, head, target, vllm: dict) -> None:
-    from specplug.vllm_eagle3.medusa_settings import heads_in_checkpoint, medusa_settings, tree_nodes
+    from specplug.common.heads.medusa import medusa_head_count
+    from specplug.vllm_eagle3.medusa_settings import medusa_settings, tree_nodes
     from specplug.vllm_eagle3.settings import specplug_section
 
     if head.format != "vllm-medusa":
@@ -227,7 +228,7 @@ def _vllm_medusa(plan: dict, head, target, vllm: dict) -> None:
     if specplug_section(head.config, "medusa") is None:
         plan["path"] = "vLLM's own Medusa path (no specplug section: specplug changes nothing)"
         return
-    heads = heads_in_checkpoint(head.path)
+    heads = medusa_head_count(head.path)
     settings = medusa_settings(head.config["specplug"], heads)
     if settings.stage == "tree":
         plan["num_speculative_tokens"] = tree_nodes(head.path)
@@ -252,7 +253,7 @@ def sglang_plan(head: formats.LoadedHead, target: str | None) -> dict:
     try:
         if head.method == "medusa":
             settings = ss.medusa_settings(args, environ=os.environ)
-            nodes = ss.medusa_nodes(settings)
+            nodes = settings.medusa_nodes
             plan["path"] = f"a Medusa tree of {nodes - 1} nodes, {settings.verification.method} verification"
             if head.extra.get("compact"):
                 path = "MEDUSA_HEADS"

@@ -9,9 +9,12 @@ an adapter whose other modules fail to import can still say why it stayed out.
 from __future__ import annotations
 
 import importlib
+import json
+import logging
 import pkgutil
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 FIELDS = ("active", "reason", "engine_version")
 IMPORT_FIX = "reinstall specplug (pip install --force-reinstall --no-deps specplug)"
@@ -42,6 +45,39 @@ class Activation:
 
     def as_dict(self) -> dict:
         return asdict(self)
+
+
+def version_check(engine: str, supported: tuple[str, ...], fix: str) -> Callable[[str], None]:
+    """A check that raises RuntimeError unless a version (local suffix "+cpu" ignored) is
+    one of `supported`, the versions the adapter was tested with, naming them and `fix`."""
+
+    def check(version: str) -> None:
+        if version.split("+")[0] not in supported:
+            raise RuntimeError(f"specplug's {engine} adapter supports {engine} {', '.join(supported)}, "
+                               f"found {version}: install a supported version: {fix}")
+
+    return check
+
+
+class _ToEngineLog(logging.Handler):
+    """Hands specplug's records to the engine's logger, whose handlers the engine configures."""
+
+    def __init__(self, engine_logger: str):
+        super().__init__()
+        self.engine_logger = engine_logger
+
+    def emit(self, record: logging.LogRecord) -> None:
+        logging.getLogger(self.engine_logger).handle(record)
+
+
+def log_like_engine(engine_logger: str) -> None:
+    """Make specplug's INFO lines appear in the engine's log, formatted like its own."""
+    ours = logging.getLogger("specplug")
+    if not any(isinstance(h, _ToEngineLog) for h in ours.handlers):
+        ours.addHandler(_ToEngineLog(engine_logger))
+        if ours.level == logging.NOTSET:
+            ours.setLevel(logging.INFO)
+        ours.propagate = False
 
 
 def not_registered(engine: str) -> Activation:
@@ -95,3 +131,25 @@ def _resolves(site: str) -> bool:
     except Exception:  # ImportError, AttributeError, or whatever a module raises on import
         return False
     return True
+
+
+def refuse_specplug_head(engine: str, model, config, reason: str) -> None:
+    """Raise RuntimeError when a draft model has a `specplug` section: in `config` (a dict or
+    a transformers config), or when config is None in `model`'s local config.json."""
+    if config is None:
+        config = _local_config(model)
+    section = config.get("specplug") if isinstance(config, dict) else getattr(config, "specplug", None)
+    if section:
+        raise RuntimeError(f"{model} is a specplug head (its config.json has a 'specplug' section), but specplug "
+                           f"is not active in this {engine}: {reason}")
+
+
+def _local_config(model) -> dict | None:
+    """The config.json of a local draft model folder, else None (the engine reports an
+    unreadable one itself)."""
+    if not isinstance(model, str) or not (Path(model) / "config.json").is_file():
+        return None
+    try:
+        return json.loads((Path(model) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None

@@ -21,11 +21,12 @@ class VerifyResult(NamedTuple):
     num_accepted: torch.Tensor
     bonus_token: torch.Tensor
 
-    def output_tokens(self, candidates: torch.Tensor) -> torch.Tensor:
-        """Emitted tokens, Long [B, D+1]: accepted draft tokens then the bonus, -1 padded
-        (the chain-shaped layout vLLM's sampler output uses)."""
+    def output_tokens(self, candidates: torch.Tensor, width: int | None = None) -> torch.Tensor:
+        """Emitted tokens, Long [B, D+1] (or [B, width] when given): accepted draft tokens
+        then the bonus, -1 padded (the chain-shaped layout vLLM's sampler output uses)."""
         nodes = self.accepted_nodes[:, 1:]  # [B, D]
         toks = torch.where(nodes >= 0, candidates.gather(1, nodes.clamp(min=0)), -1)
-        pad = torch.full((toks.shape[0], 1), -1, dtype=toks.dtype, device=toks.device)
+        pad = torch.full((toks.shape[0], 1 if width is None else width - toks.shape[1]), -1, dtype=toks.dtype,
+                         device=toks.device)
         out = torch.cat([toks, pad], 1)  # [B, D+1]; D may be 0 (no request had drafts)
         return out.scatter_(1, self.num_accepted.unsqueeze(1), self.bonus_token.unsqueeze(1))

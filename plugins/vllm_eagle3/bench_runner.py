@@ -190,7 +190,7 @@ def drafter_head(head: str, drafter: dict) -> str:
 
 
 def head_settings(head: str):
-    """The AdapterSettings the proposer will read from this head (SPECPLUG_TREE applied)."""
+    """The HeadSettings the proposer will read from this head (SPECPLUG_TREE applied)."""
     from specplug.vllm_eagle3.settings import adapter_settings
 
     config = json.loads((Path(head) / "config.json").read_text())
@@ -332,11 +332,12 @@ class VllmRunner:
 
     def _medusa_config(self, method: str) -> dict:
         """vLLM's own Medusa chain, or specplug's in stage chain / tree, on the same heads."""
-        from specplug.vllm_eagle3.medusa_settings import heads_in_checkpoint, tree_nodes
+        from specplug.common.heads.medusa import medusa_head_count
+        from specplug.vllm_eagle3.medusa_settings import tree_nodes
 
         if self.medusa_head is None:
             raise SystemExit(f"specplug bench: method {method!r} needs --medusa-head DIR (or 'testbed')")
-        heads = heads_in_checkpoint(self.medusa_head)
+        heads = medusa_head_count(self.medusa_head)
         if method == "medusa":
             return {"method": "medusa", "model": strip_specplug_section(self.medusa_head),
                     "num_speculative_tokens": heads}

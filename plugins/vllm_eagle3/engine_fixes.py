@@ -1,16 +1,10 @@
-"""Guarded fixes of vLLM-CPU bugs that take a whole server down, applied by `register()`
-on the CPU platform only, under the version guard (declared in patches.py).
+"""Guarded fixes of vLLM-CPU bugs that take a whole server down (patches.py, CPU only).
 
 `keep_cpu_generators_on_discard`: vLLM's runner rewinds the generator of a seeded request
-whose sampled token it discards (a prompt split by chunked prefill) with
-`gen.set_offset(gen.get_offset() - 4)` in `_bookkeeping_sync`; a CPU `torch.Generator` has
-no offset, so the call raises and the engine dies with every request in flight, with or
-without speculation (`RuntimeError: CPU Generator does not use offset`). The fix hides
-those CPU generators from that one call, so nothing is rewound: such a request has
-consumed one extra draw per partial prefill chunk, and its output is still an exact
-sample (which one depends on how the prompt was chunked, and prefix caching changes
-that between runs). (specplug's own verification does not use the
-generator at all: seeded draws come from `randomness.position_uniforms`.)
+whose sampled token it discards (a prompt split by chunked prefill) with `set_offset`,
+which a CPU `torch.Generator` lacks: the engine dies with every request in flight. The
+fix hides those generators from that one call; such a request consumes one extra draw per
+partial prefill chunk and its output is still an exact sample.
 """
 
 from __future__ import annotations

@@ -1,30 +1,15 @@
-"""The specplug Medusa proposer for vLLM's V1 model runner (method "medusa").
+"""The specplug Medusa proposer for vLLM's V1 model runner (method "medusa"), in place of
+vLLM's `MedusaProposer`; heads without a `specplug` section run vLLM's own Medusa path.
 
-`SpecplugMedusaProposer` replaces vLLM's `MedusaProposer` (register(), under the version
-guard). Heads without a `specplug` section in config.json run vLLM's own Medusa path (a
-top-1 chain, vLLM's rejection sampler). With a section, drafting is the core's
-`MedusaDrafter` (specplug.common.drafters) run on the heads vLLM loaded
-(`LoadedMedusaHeads`, the seam; with the settings in medusa_settings.py, which imports no
-vLLM), and every request is verified by specplug's sampler:
-
-- stage "chain": the heads' top-1 chain, num_speculative_tokens <= number of heads;
-- stage "tree": the Medusa tree (the section's `choices`, else the optimal sparse tree of
-  `tree.budget` nodes for its `head_accuracies`) handed to vLLM as its draft tokens and
-  verified in one target pass by tree_verify.TreeVerifier, exactly as EAGLE trees are;
-  num_speculative_tokens = the tree's non-root nodes. Requests that need a chain
-  (sampler.needs_chain) get the top-1 chain padded to that length.
-
-Payoff control (on unless "payoff": false or SPECPLUG_PAYOFF=0) runs each step with the
-heads' drafts or with none, whichever has delivered more tokens per second at that batch
-size (specplug.common.policy.throughput.CycleClock, timed from one propose call to the
-next).
-
-vLLM hands the Medusa proposer the final hidden state at each request's last accepted
-row, computed as if the drafts were a chain; in stage "tree" the runner's
-sample_hidden_states are put in accepted-path order first
-(TreeVerifier.committed_samples through RunnerState.wrap_sample_hidden). vLLM's
-runner builds MedusaProposer without itself, so register() hands the runner over after
-it is built (`attaching_init`, patch "GPUModelRunner.__init__" in patches.py).
+Drafting is the core's `MedusaDrafter` on the heads vLLM loaded (`LoadedMedusaHeads`),
+each step's drafts or none the core's StepPolicy (payoff control); every request is
+verified by specplug's sampler. Stage "chain" drafts the heads' top-1 chain
+(num_speculative_tokens <= heads); stage "tree" hands vLLM every node of the Medusa tree
+(num_speculative_tokens = its non-root nodes), verified in one target pass by
+tree_verify.TreeVerifier, with the top-1 chain for requests that need one. In stage
+"tree" vLLM's sample_hidden_states are put in accepted-path order first
+(TreeVerifier.committed_samples); vLLM builds MedusaProposer without its runner, so
+`attaching_init` (patch "GPUModelRunner.__init__") hands it over.
 """
 
 from __future__ import annotations
@@ -36,13 +21,15 @@ import torch
 from vllm.v1.spec_decode.medusa import MedusaProposer
 
 from specplug.common.path_choice import pad_chains
-from specplug.common.policy.throughput import CycleClock, PayoffControl
+from specplug.common.policy.step_policy import StepPolicy
 from specplug.common.tree import TreeConfig
-from specplug.vllm_eagle3.medusa_settings import heads_in_checkpoint, medusa_drafter, medusa_settings
+from specplug.common.heads.medusa import medusa_head_count
+from specplug.vllm_eagle3.medusa_settings import medusa_drafter, medusa_settings
 from specplug.vllm_eagle3.ranks import tp_ranks
 from specplug.vllm_eagle3.runner_state import RunnerState
 from specplug.vllm_eagle3.sampler import SpecplugChainSampler, needs_chain
-from specplug.vllm_eagle3.settings import AdapterSettings, check_head_matches_target, specplug_section
+from specplug.common.head_section import HeadSettings
+from specplug.vllm_eagle3.settings import check_head_matches_target, specplug_section
 
 logger = logging.getLogger(__name__)
 
@@ -54,25 +41,21 @@ class SpecplugMedusaProposer(MedusaProposer):
         super().__init__(vllm_config, device)
         self.state: RunnerState | None = None
         self.tree_verifier = None
-        self.payoff: CycleClock | None = None  # each step: the heads' drafts or none
+        self.policy: StepPolicy | None = None  # each step: the heads' drafts or none
         draft = self.spec_config.draft_model_config
         section = specplug_section(draft.hf_config, "medusa")
-        self.specplug: AdapterSettings | None = None
+        self.specplug: HeadSettings | None = None
         if section is None:
             return
         check_head_matches_target(draft.model, vllm_config.model_config.hf_text_config, "medusa")
         self.specplug = medusa_settings(section)
-        self.num_heads = heads_in_checkpoint(draft.model)
+        self.num_heads = medusa_head_count(draft.model)
         self.drafting = medusa_drafter(section, self.num_heads)
         self.tree = self._tree_config(self.num_speculative_tokens)
         logger.info("specplug Medusa proposer active for heads %s: %d heads, stage %s, %d draft tokens",
                     draft.model, self.num_heads, self.specplug.stage, self.num_speculative_tokens)
-        if self.specplug.payoff:
-            k = self.num_speculative_tokens
-            self.payoff = CycleClock(PayoffControl.all_or_none(k, tp_ranks()))
-            logger.info("specplug payoff control on: each step verifies the heads' %d drafts or none, whichever "
-                        "has delivered more tokens per second at its batch size (\"payoff\": false or "
-                        "SPECPLUG_PAYOFF=0 turns it off)", k)
+        self.policy = StepPolicy(self.num_speculative_tokens, adaptive=False, payoff=self.specplug.payoff,
+                                 all_or_none=True, ranks=tp_ranks(), drafts="heads' drafts")
 
     def _tree_config(self, k: int) -> TreeConfig:
         """The TreeConfig drafted each step; ValueError when vLLM's K cannot hold it."""
@@ -106,8 +89,7 @@ class SpecplugMedusaProposer(MedusaProposer):
 
     def _verified(self, req_ids, num_draft_tokens, num_accepted) -> None:
         """The sampler's verify result, [B] drafts scheduled and accepted per batch row."""
-        if self.payoff is not None:
-            self.payoff.verified(num_draft_tokens, num_accepted.tolist())
+        self.policy.verified(num_draft_tokens, num_accepted)
 
     def load_model(self, target_model) -> None:
         if self.specplug is not None:  # vLLM set num_heads to num_speculative_tokens: load what the checkpoint holds
@@ -123,7 +105,8 @@ class SpecplugMedusaProposer(MedusaProposer):
             raise RuntimeError("specplug Medusa proposer was not attached to vLLM's model runner: "
                                "this vLLM version is not supported")
         batch = target_hidden_states.shape[0]
-        if self.payoff is not None and self.payoff.step(batch, self.state.query_lens(batch)) == 0:
+        self.policy.begin(self.state.query_lens(batch))
+        if self.policy.depth(batch) == 0:
             return torch.zeros(batch, 0, dtype=torch.long, device=target_hidden_states.device)
         with torch.inference_mode():
             roots = torch.zeros(batch, dtype=torch.long)  # vLLM's sampled tokens: the verifier never reads them

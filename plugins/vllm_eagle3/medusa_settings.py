@@ -1,24 +1,21 @@
 """Medusa heads with a specplug section in vLLM (method "medusa"), without importing vLLM:
-their settings, their tree's size, and the drafter on vLLM's loaded heads.
-
-medusa_proposer.py runs them; `specplug doctor` reads them to say what vLLM would do with
-a head. Refused by name: what Medusa heads in vLLM do not offer (adaptive speculation,
-hybrid drafting, sampled drafts). The section itself (its tree, its shape: "choices" or
-SPECPLUG_MEDUSA_TREE, its head_accuracies) is specplug.common.head_section's, as in SGLang.
+their settings (specplug.common.head_section's, refused where vLLM's Medusa path lacks a
+feature), their tree's size, and the drafter on vLLM's loaded heads. `specplug doctor`
+reads them too.
 """
 
 from __future__ import annotations
 
-import json
 import os
-from pathlib import Path
 from typing import Mapping
 
 import torch
 
 from specplug.common.drafters import MedusaDrafter
 from specplug.common.head_section import read_section
-from specplug.vllm_eagle3.settings import AdapterSettings, adapter_settings
+from specplug.common.heads.medusa import medusa_head_count
+from specplug.common.head_section import HeadSettings
+from specplug.vllm_eagle3.settings import adapter_settings
 
 
 class LoadedMedusaHeads:
@@ -38,8 +35,8 @@ class LoadedMedusaHeads:
 
 
 def medusa_settings(section: dict, num_heads: int | None = None,
-                    environ: Mapping[str, str] = os.environ) -> AdapterSettings:
-    """AdapterSettings of a Medusa head's section (its tree within `num_heads` heads when
+                    environ: Mapping[str, str] = os.environ) -> HeadSettings:
+    """HeadSettings of a Medusa head's section (its tree within `num_heads` heads when
     given); ValueError for what Medusa heads in vLLM do not offer (adaptive, hybrid
     drafting, sampled drafts), naming the key to drop."""
     settings = adapter_settings(section, environ, method="medusa", num_heads=num_heads)
@@ -53,13 +50,6 @@ def medusa_settings(section: dict, num_heads: int | None = None,
     return settings
 
 
-def heads_in_checkpoint(head_dir: str) -> int:
-    """The number of heads the checkpoint holds (vLLM sets the config's num_heads to
-    num_speculative_tokens, which for a tree is its node count)."""
-    config = json.loads((Path(head_dir) / "config.json").read_text())
-    return int(config.get("num_heads", config.get("medusa_num_heads", 0)))
-
-
 def medusa_drafter(section: dict, num_heads: int) -> MedusaDrafter:
     """The core's drafter for a head's section (its tree's shape and head_accuracies), its
     heads to be bound to vLLM's module."""
@@ -70,6 +60,6 @@ def medusa_drafter(section: dict, num_heads: int) -> MedusaDrafter:
 def tree_nodes(head_dir: str) -> int:
     """The Medusa tree's non-root nodes for this head's section: vLLM's
     num_speculative_tokens in stage "tree"."""
-    section, num_heads = read_section(head_dir), heads_in_checkpoint(head_dir)
+    section, num_heads = read_section(head_dir), medusa_head_count(head_dir)
     drafter = medusa_drafter(section, num_heads)
     return drafter.template(medusa_settings(section, num_heads).tree).num_nodes - 1

@@ -1,21 +1,16 @@
 """Every vLLM name specplug replaces, wraps, registers with or shadows per object, declared
-once (specplug.common.patches): `PATCHES`, in the order register() applies them.
-
-The replacements live with the code they belong to (proposer.py, medusa_proposer.py,
-engine_fixes.py, runner_state.py, dense_head.py, serve.py) and are named here as
-"module:name", resolved only when applied; the few that belong nowhere else are below
-(Model Runner V2's refusal, min_p / logit_bias, CPU_ATTN, and the stay-out refusal).
-Standard library only, like the adapter's __init__.py that imports it: the stay-out
-refusal must work when specplug's other modules fail to import.
+once (specplug.common.patches): `PATCHES`, in the order register() applies them. The
+replacements live with the code they belong to, named "module:name" and resolved only
+when applied. Standard library only at import: the stay-out refusal must work when
+specplug's other modules fail to import.
 """
 
 from __future__ import annotations
 
 import functools
 import importlib
-import json
-from pathlib import Path
 
+from specplug.common.activation import refuse_specplug_head
 from specplug.common.patches import (
     INSTANCE, REGISTERED, REPLACE, STAY_OUT, WRAP, Expect, Patch, PatchSet, value,
 )
@@ -66,14 +61,12 @@ def v1_for_specplug_heads(unsupported_features):
     itself and says so in one line ("Model Runner V2 does not yet support specplug heads
     ...; using the V1 model runner instead"). VLLM_USE_V2_MODEL_RUNNER=1 still forces V2,
     whose speculator then refuses the head (refusing_speculator)."""
-    from specplug.vllm_eagle3.settings import specplug_section
+    from specplug.vllm_eagle3.settings import speculative_section
 
     @functools.wraps(unsupported_features)
     def _get_v2_model_runner_unsupported_features(self):
         found = unsupported_features(self)
-        spec = self.speculative_config
-        draft = getattr(spec, "draft_model_config", None)
-        if draft is not None and specplug_section(draft.hf_config, spec.method) is not None:
+        if speculative_section(self.speculative_config) is not None:
             found.append("specplug heads (their trees are verified through the V1 runner)")
         return found
 
@@ -84,12 +77,11 @@ def refusing_speculator(base):
     """Model Runner V2 builds its own speculator: a subclass of `base` that refuses specplug
     heads (reached only where VLLM_USE_V2_MODEL_RUNNER=1 forces V2; v1_for_specplug_heads
     selects V1 otherwise)."""
-    from specplug.vllm_eagle3.settings import specplug_section
+    from specplug.vllm_eagle3.settings import speculative_section
 
     class EagleSpeculator(base):
         def __init__(self, vllm_config, *args, **kwargs):
-            spec = vllm_config.speculative_config
-            if specplug_section(spec.draft_model_config.hf_config, spec.method) is not None:
+            if speculative_section(vllm_config.speculative_config) is not None:
                 raise RuntimeError(
                     "specplug heads run on vLLM's V1 model runner, which specplug selects itself; "
                     "VLLM_USE_V2_MODEL_RUNNER=1 forces Model Runner V2 (its own speculator): unset it")
@@ -102,12 +94,11 @@ def accepting_min_p_and_logit_bias(check):
     """vLLM refuses min_p and logit_bias requests when speculation is configured (its
     rejection sampler ignores them); specplug's sampler applies both, so requests to a
     specplug head pass. Other heads keep vLLM's `check`."""
-    from specplug.vllm_eagle3.settings import specplug_section
+    from specplug.vllm_eagle3.settings import speculative_section
 
     @functools.wraps(check)
     def _validate_spec_decode(self, speculative_config):
-        draft = getattr(speculative_config, "draft_model_config", None)
-        if draft is not None and specplug_section(draft.hf_config, speculative_config.method) is not None:
+        if speculative_section(speculative_config) is not None:
             return
         check(self, speculative_config)
 
@@ -134,35 +125,18 @@ def unregister_tree_attention(member) -> None:
 
 def refusing_post_init(post_init, reason: str):
     """SpeculativeConfig.__post_init__ that refuses specplug heads (specplug stays out for
-    `reason`); long-stable vLLM names and the standard library only."""
+    `reason`): the draft model folder's config.json before vLLM's checks, its loaded
+    config after them."""
 
     @functools.wraps(post_init)
     def __post_init__(self, *args, **kwargs):
-        _refuse_if_specplug(getattr(self, "model", None), _local_config(getattr(self, "model", None)), reason)
+        model = getattr(self, "model", None)
+        refuse_specplug_head("vLLM", model, None, reason)
         post_init(self, *args, **kwargs)
         draft = getattr(self, "draft_model_config", None)
-        _refuse_if_specplug(getattr(self, "model", None), getattr(draft, "hf_config", None), reason)
+        refuse_specplug_head("vLLM", model, getattr(draft, "hf_config", None), reason)
 
     return __post_init__
-
-
-def _local_config(model) -> dict | None:
-    """The config.json of a local draft model folder, else None."""
-    if not isinstance(model, str) or not (Path(model) / "config.json").is_file():
-        return None
-    try:
-        return json.loads((Path(model) / "config.json").read_text())
-    except (OSError, ValueError):
-        return None  # vLLM reports an unreadable config itself
-
-
-def _refuse_if_specplug(model, config, reason: str) -> None:
-    """Raise RuntimeError when a draft config (dict or transformers config) has a specplug section."""
-    section = config.get("specplug") if isinstance(config, dict) else getattr(config, "specplug", None)
-    if section:
-        raise RuntimeError(
-            f"{model} is a specplug head (its config.json has a 'specplug' section), but specplug is not "
-            f"active in this vLLM: {reason}")
 
 
 def _runner(method: str, *params: str) -> Expect:

@@ -1,23 +1,12 @@
-"""The specplug EAGLE proposer for vLLM's V1 model runner (EAGLE-3 heads, method
-"eagle3"; EAGLE-1 heads, method "eagle").
+"""The specplug EAGLE proposer for vLLM's V1 model runner (EAGLE-3 heads, method "eagle3";
+EAGLE-1 heads, method "eagle"), in place of vLLM's `EagleProposer`; for heads without a
+`specplug` section every method is vLLM's own.
 
-`SpecplugEagleProposer` replaces vLLM's `EagleProposer` class (see `register()`, which
-checks the vLLM version before importing this module). With a head whose config.json
-has no `specplug` section every method is vLLM's own. With a specplug head, `propose`
-drafts an EAGLE-2 dynamic tree per request from the target's hidden states (EAGLE-3:
-the aux layers'; EAGLE-1: the final one) and hands vLLM one root path of it as its
-chain (stage "chain": the path with the largest expected accepted length), which specplug's
-chain sampler (sampler.py, in place of the runner's rejection sampler) verifies
-losslessly. In stage "tree" (tree_verify.py) it hands vLLM every kept node of the tree
-as a draft token instead, and vLLM's target verifies the whole tree in one pass;
-requests whose sampling needs vLLM's own sampler or a grammar (sampler.needs_chain)
-still get a chain.
-
-Drafting itself is the core's (specplug.common.drafting.eagle.EagleDrafting: the head's
-per-request KV, catch-up, roll-back to the first position vLLM sends in a step, deferred
-rows, trees); this module translates vLLM's batch into `Committed` rows and the trees
-back into vLLM's draft-token tensor. The head runs through `DenseEagle3Head` /
-`DenseEagle1Head`, the seam implemented with the layers vLLM loaded.
+Drafting is the core's (DraftingSession over EagleDrafting), each step's depth the core's
+StepPolicy; this module translates vLLM's batch into `Committed` rows and the drafts back
+into vLLM's draft tokens: in stage "chain" each request's best tree path, verified by
+specplug's sampler (sampler.py); in stage "tree" every kept node, verified in one target
+pass (tree_verify.py), with a chain for requests that need one (sampler.needs_chain).
 """
 
 from __future__ import annotations
@@ -32,8 +21,8 @@ from specplug.vllm_eagle3.ranks import tp_ranks
 from specplug.vllm_eagle3.dense_head import DenseEagle1Head, DenseEagle3Head, use_quantized_weights
 from specplug.vllm_eagle3.runner_state import RunnerState
 from specplug.vllm_eagle3.sampler import SpecplugChainSampler, needs_chain
+from specplug.common.head_section import HeadSettings
 from specplug.vllm_eagle3.settings import (
-    AdapterSettings,
     adapter_settings,
     check_head_matches_target,
     check_num_speculative_tokens,
@@ -46,10 +35,9 @@ from specplug.common.drafting.sampled import SampledDrafts
 from specplug.common.drafting.session import DraftingSession
 from specplug.common.path_choice import best_chains
 from specplug.common.quantization import head_linears
-from specplug.common.policy.adaptive_chains import ChainAdaptiveController, StepClock
 from specplug.common.policy.calibration import HybridScale
 from specplug.common.policy.draft_gate import DraftGate
-from specplug.common.policy.throughput import CycleClock, PayoffControl
+from specplug.common.policy.step_policy import StepPolicy
 from specplug.common.tree import TreeConfig
 
 logger = logging.getLogger(__name__)
@@ -62,7 +50,7 @@ class SpecplugEagleProposer(EagleProposer):
         super().__init__(vllm_config, device, runner)
         self.state = None if runner is None else RunnerState(runner)  # vLLM's runner: the batch being drafted
         section = specplug_section(self.draft_model_config.hf_config, self.method)
-        self.specplug: AdapterSettings | None = None
+        self.specplug: HeadSettings | None = None
         if section is None:
             return
         check_head_matches_target(self.draft_model_config.model, vllm_config.model_config.hf_text_config,
@@ -76,27 +64,19 @@ class SpecplugEagleProposer(EagleProposer):
         if self.specplug.stage == "tree":
             from specplug.vllm_eagle3.tree_platform import check_platform
             check_platform(vllm_config)
-        self.adaptive: ChainAdaptiveController | None = None
-        if self.specplug.adaptive:
-            self.adaptive = ChainAdaptiveController(self.num_speculative_tokens, ranks=self.ranks)
-            logger.info("specplug adaptive speculation on: each step drafts 0..%d tokens, chosen by "
-                        "specplug.common.policy.cost from step costs and acceptance measured in this engine",
-                        self.num_speculative_tokens)
         token_drafter = None  # hybrid drafting: the section's token drafter, or None
         if self.specplug.drafter is not None:
             token_drafter = drafter_registry.build(self.specplug.drafter, vllm_config.model_config.get_vocab_size())
         scale = None  # hybrid drafting on measured acceptance (stage chain): a HybridScale
         if token_drafter is not None and self.specplug.calibrate and self.specplug.stage == "chain":
             scale = HybridScale(["head", "tokens"])
-        self.clock = StepClock()  # the engine step between two propose calls (adaptive, gate)
-        # each step's depth from measured tokens per second; the clock times each cycle
-        self.payoff: CycleClock | None = None
-        if self.specplug.payoff and self.adaptive is None:
-            self.payoff = CycleClock(self._payoff_control(self.num_speculative_tokens))
+        gate = DraftGate(ranks=self.ranks) if self.specplug.gate else None
+        self.policy = StepPolicy(self.num_speculative_tokens, adaptive=self.specplug.adaptive,
+                                 payoff=self.specplug.payoff, all_or_none=self.specplug.stage == "tree",
+                                 gate=gate, ranks=self.ranks, drafts="tree")
         # the head's EagleDrafting joins the session on the loaded head at the first step
-        self.session = DraftingSession(
-            None, token_drafter=token_drafter, sampled=SampledDrafts(self.specplug.draft_temperature), scale=scale,
-            gate=DraftGate(ranks=self.ranks) if self.specplug.gate else None)
+        self.session = DraftingSession(None, token_drafter=token_drafter, scale=scale, gate=gate,
+                                       sampled=SampledDrafts(self.specplug.draft_temperature))
         memory.from_environment()  # opt-in: SPECPLUG_MALLOC_TRIM_S, SPECPLUG_MEMORY_LOG_S (docs/reliability.md)
         self._log_active()
 
@@ -104,8 +84,8 @@ class SpecplugEagleProposer(EagleProposer):
         super().load_model(target_model)
         if self.specplug is not None and self.specplug.head_weights != "float":
             self._use_quantized_weights(target_model)
-        if self.specplug is not None and self.token_drafter is not None:  # self_spec: the target's own layers
-            drafter_registry.bind_target(self.token_drafter, EngineTarget(
+        if self.specplug is not None and self.session.token_drafter is not None:  # self_spec: the target's layers
+            drafter_registry.bind_target(self.session.token_drafter, EngineTarget(
                 target_model, target_model.compute_logits, self.vllm_config.model_config.hf_text_config))
         if self.specplug is not None and self.state is not None:
             # the runner builds its rejection sampler after the drafter: swap it here
@@ -134,11 +114,10 @@ class SpecplugEagleProposer(EagleProposer):
             )
         self._last_draft_probs = None  # vLLM's own draft-probs slot stays empty (q travels in the step record)
         self.session.begin_step()
-        if self.drafting is None:
+        if self.session.drafting is None:
             self.session.drafting = EagleDrafting(self.head_runner(self.model))
-        self._step_timed(int(common_attn_metadata.query_start_loc_cpu[common_attn_metadata.num_reqs]))
-        if self.payoff is not None:  # the cycle since the last propose call: its drafting and verify step
-            self.payoff.lap(self._query_lens(common_attn_metadata))
+        starts = common_attn_metadata.query_start_loc_cpu[: common_attn_metadata.num_reqs + 1]
+        self.policy.begin((starts[1:] - starts[:-1]).tolist())  # the step since the last propose call
         if self.tree_verifier is not None:  # accepted tree nodes first, as in a chain
             target_token_ids, target_positions, target_hidden_states = self.tree_verifier.committed_order(
                 target_token_ids, target_positions, target_hidden_states)
@@ -150,7 +129,7 @@ class SpecplugEagleProposer(EagleProposer):
                     num_rejected_tokens_gpu,
                 )
         finally:
-            self.clock.stop()
+            self.policy.end()
         self.steps += 1
         self.ranks.check(self.steps, drafts)  # SPECPLUG_CHECK_RANKS=1: every TP rank drafted the same
         return drafts
@@ -164,14 +143,13 @@ class SpecplugEagleProposer(EagleProposer):
         stage "tree" every kept tree node, [batch, budget]. With the draft gate on, a list
         of `batch` lists: a request's chain, or none where it would not pay (_gated)."""
         batch = attn_metadata.num_reqs
-        self._forget_finished()
+        self.session.forget(self.state.live)
         discarded = self.state.discarded(batch)
         rows, requests = self._committed_rows(token_ids, positions, aux_hidden, next_token_ids,
                                               attn_metadata, num_rejected, discarded)
         keep = [i for i, b in enumerate(rows) if not discarded[b]]  # vLLM drops partial prefills' drafts
-        if self.adaptive is not None or self.payoff is not None:
-            depth = self._choose_depth(len(keep)) if keep else 0
-        if self.token_drafter is not None and depth > 0:  # else the next drafting step fills it in
+        depth = self.policy.depth(len(keep))
+        if self.session.token_drafter is not None and depth > 0:  # else the next drafting step fills it in
             self._sync_token_drafter(requests)
         kept_ids = [requests[i][0] for i in keep]
         roots, alone = self.session.catch_up(requests, kept_ids, depth, chains=self.tree_verifier is None)
@@ -182,34 +160,14 @@ class SpecplugEagleProposer(EagleProposer):
         started = time.perf_counter()
         kept_roots = [roots[i] for i in keep]
         if self.tree_verifier is None:
-            drafts, expected = self._draft_chains(kept_roots, kept_ids, depth)
+            params = [self.state.sampling_params(r) for r in kept_ids]
+            drafts, expected = self.session.chains(kept_roots, kept_ids, depth, params, self.specplug.tree)
         else:
             drafts, expected = self._draft_trees(kept_roots, kept_ids), None
-        if self.adaptive is not None:
-            self.adaptive.draft_timed(len(keep), depth, time.perf_counter() - started)
-        if self.gate is not None:
+        self.policy.drafted(len(keep), depth, started)
+        if self.session.gate is not None:
             return self._gated(drafts, expected, [rows[i] for i in keep], kept_ids, batch)
         return self._scatter(drafts, [rows[i] for i in keep], batch, next_token_ids)
-
-    @property
-    def drafting(self) -> EagleDrafting | None:
-        return self.session.drafting
-
-    @property
-    def token_drafter(self):
-        return self.session.token_drafter
-
-    @property
-    def gate(self) -> DraftGate | None:
-        return self.session.gate
-
-    @property
-    def scale(self) -> HybridScale | None:
-        return self.session.scale
-
-    @property
-    def drafted_alone(self) -> int:
-        return self.session.drafted_alone
 
     def _gated(self, drafts, expected, rows, req_ids, batch) -> list[list[int]]:
         """Each batch row's drafts as vLLM's list of lists: the chain where the draft gate
@@ -221,40 +179,6 @@ class SpecplugEagleProposer(EagleProposer):
             out[rows[i]] = drafts[i].tolist()
         return out
 
-    def _payoff_control(self, k: int) -> PayoffControl:
-        """Stage "chain": each step drafts the depth 0..k with the best measured tokens per
-        second; stage "tree": the whole tree (k nodes) or none."""
-        if self.specplug.stage == "tree":
-            logger.info("specplug payoff control on: each step verifies the tree (%d nodes) or no drafts, "
-                        "whichever has delivered more tokens per second at its batch size (\"payoff\": false "
-                        "or SPECPLUG_PAYOFF=0 turns it off)", k)
-            return PayoffControl.all_or_none(k, self.ranks)
-        logger.info("specplug payoff control on: each step drafts the depth (0..%d) that has delivered the "
-                    "most tokens per second at its batch size in this engine (\"payoff\": false or "
-                    "SPECPLUG_PAYOFF=0 turns it off)", k)
-        return PayoffControl(k, ranks=self.ranks)
-
-    def _choose_depth(self, batch: int) -> int:
-        if self.adaptive is not None:
-            return self.adaptive.choose_depth(batch)
-        return self.payoff.control.choose(batch)
-
-    @staticmethod
-    def _query_lens(attn_metadata) -> list[int]:
-        """Per request: the tokens it ran in the step that just ended (1 + its drafts for a decode)."""
-        starts = attn_metadata.query_start_loc_cpu[: attn_metadata.num_reqs + 1]
-        return (starts[1:] - starts[:-1]).tolist()
-
-    def _step_timed(self, tokens: int) -> None:
-        """The engine step that just ended ran `tokens` new tokens: time it for the cost models."""
-        seconds = self.clock.lap()
-        if seconds is None:
-            return
-        if self.adaptive is not None:
-            self.adaptive.verify_timed(tokens, seconds)
-        if self.gate is not None:
-            self.gate.step_timed(tokens, seconds)
-
     @staticmethod
     def _scatter(drafts, rows, batch, next_token_ids):
         """Drafts [len(rows), K] placed at their batch rows of a [batch, K] zero tensor."""
@@ -262,18 +186,12 @@ class SpecplugEagleProposer(EagleProposer):
         out[rows] = drafts.to(out.dtype)
         return out.to(next_token_ids.device)
 
-    def _draft_chains(self, roots, req_ids, depth):
-        """Stage "chain": (Long [len(roots), depth], Float [len(roots)]): each request's chain
-        and its expected accepted length, as the core's DraftingSession decides per request."""
-        params = [self.state.sampling_params(r) for r in req_ids]
-        return self.session.chains(roots, req_ids, depth, params, self.specplug.tree)
-
     def _draft_trees(self, roots, req_ids):
         """Stage "tree": every kept node of each root's tree, Long [len(roots), N - 1], its
         topology recorded for the verifier; requests that need a chain (needs_chain) get
         their best path padded to N - 1 instead, recorded as nothing (= a chain)."""
         config = self.specplug.tree
-        trees = self.drafting.trees(roots, TreeConfig(config.depth, config.topk, config.budget))
+        trees = self.session.drafting.trees(roots, TreeConfig(config.depth, config.topk, config.budget))
         trees = self.session.merged(trees, req_ids, None, budget=config.budget)
         drafts = trees.candidates[:, 1:].clone()  # [B, N - 1]
         chained = torch.tensor([needs_chain(self.state.sampling_params(r)) for r in req_ids])
@@ -286,10 +204,7 @@ class SpecplugEagleProposer(EagleProposer):
 
     def _verified(self, req_ids, num_draft_tokens, num_accepted):
         """The sampler's verify result, [B] drafts scheduled and accepted per batch row."""
-        if self.payoff is not None:
-            self.payoff.verified(num_draft_tokens, num_accepted.tolist())
-        if self.adaptive is not None:
-            self.adaptive.record_verify(num_draft_tokens, num_accepted)
+        self.policy.verified(num_draft_tokens, num_accepted)
         self.session.verified(req_ids, num_draft_tokens, num_accepted.tolist())
 
     def _sync_token_drafter(self, requests):
@@ -299,7 +214,7 @@ class SpecplugEagleProposer(EagleProposer):
         without drafts, which skip this), then append the new tokens."""
         for req_id, shifted, positions, _ in requests:
             if self.session.sync_tokens(req_id, int(positions[0]) + 1, lambda: self.state.known_tokens(req_id)):
-                self.token_drafter.extend(req_id, shifted)
+                self.session.token_drafter.extend(req_id, shifted)
 
     def _committed_rows(self, token_ids, positions, aux_hidden, next_token_ids, attn_metadata,
                         num_rejected, discarded):
@@ -338,17 +253,8 @@ class SpecplugEagleProposer(EagleProposer):
             self.model, formats.load_head(head_dir).state_dict, fmt, target_model), head_dir, "specplug", logger)
 
     def _log_active(self):
-        tree = self.specplug.tree
-        if self.specplug.stage == "tree":
-            logger.info("specplug %s proposer active for head %s: dynamic tree topk=%d depth=%d "
-                        "budget=%d, stage tree (the whole tree is verified in one target pass)",
-                        self.head_runner.KIND, self.draft_model_config.model, tree.topk, tree.depth, tree.budget)
-        else:
-            logger.info("specplug %s proposer active for head %s: dynamic tree topk=%d depth=%d, "
-                        "stage chain (the tree's best path is verified as a chain)",
-                        self.head_runner.KIND, self.draft_model_config.model, tree.topk,
-                        self.num_speculative_tokens)
-
-    def _forget_finished(self):
-        self.session.forget(self.state.live)
-
+        tree, stage = self.specplug.tree, self.specplug.stage
+        logger.info("specplug %s proposer active for head %s: dynamic tree topk=%d depth=%d, stage %s (%s)",
+                    self.head_runner.KIND, self.draft_model_config.model, tree.topk, tree.depth, stage,
+                    f"the whole tree of {tree.budget} nodes is verified in one target pass" if stage == "tree" else
+                    f"the tree's best path of {self.num_speculative_tokens} tokens is verified as a chain")

@@ -1,12 +1,9 @@
 """vLLM's SamplingMetadata -> specplug.common.request_rules.RequestRules (translation only).
 
-vLLM keeps a step's per-request rules in `SamplingMetadata` (penalties, allowed ids, bad
-words) and in its built-in logits processors, indexed by the request's row in the batch.
-With speculation configured vLLM builds only the min-tokens processor (min-p and logit
-bias have none), so those two are read from each request's SamplingParams. These
-functions read them; what the rules mean lives in the core. Anything else (custom logits
-processors, thinking budgets, logprobs of chosen token ids, processed-logprobs modes) is
-named by `undraftable_reason`: such a step runs without drafts (sampler.py).
+vLLM keeps a step's per-request rules in `SamplingMetadata` and its built-in logits
+processors, by batch row; with speculation configured it builds only the min-tokens
+processor, so min-p and logit bias are read from each request's SamplingParams. What
+vLLM can do that specplug does not model is named by `undraftable_reason`.
 """
 
 from __future__ import annotations

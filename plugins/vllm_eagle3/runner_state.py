@@ -1,12 +1,6 @@
-"""vLLM's V1 model runner as the adapter reads and hooks it: the one module that touches
-the runner's request state and step layout (all private in vLLM 0.32.0; register()
-checks the version before any of this is imported).
-
-The proposer (proposer.py) and stage "tree" (tree_verify.py) both go through
-`RunnerState`, whose hooks are instance patches declared in patches.py (applied to one
-runner through the patch registry); engine_fixes.py keeps its own class-level fix, and
-the attention, KV-layout and model internals stay with the modules that use them (see
-docs/architecture.md for the full list of engine-private names).
+"""vLLM's V1 model runner as the adapter reads and hooks it: the one module that touches the
+runner's request state and step layout (private in vLLM 0.32.0). Its hooks are instance
+patches declared in patches.py; docs/architecture.md lists every engine-private name.
 """
 
 from __future__ import annotations

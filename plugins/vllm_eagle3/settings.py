@@ -1,21 +1,7 @@
-"""The vLLM adapter's side of a head's specplug section: vLLM's method -> the head's kind,
-the schema's settings refused where vLLM cannot run them, and the head checked against
-the target it is asked to draft for.
-
-A head is "ours" when its config.json has a `specplug` section: method "eagle3" for
-vLLM's method "eagle3", "eagle1" for vLLM's method "eagle" (EAGLE-1 heads), "medusa" for
-"medusa" (medusa_settings.py); without it vLLM's built-in path runs untouched. The
-section, its SPECPLUG_* overrides (SPECPLUG_TREE, SPECPLUG_STAGE, SPECPLUG_ADAPTIVE,
-SPECPLUG_DRAFTER / SPECPLUG_RETRIEVAL, SPECPLUG_CALIBRATE, SPECPLUG_DRAFT_TEMPERATURE,
-SPECPLUG_GATE, SPECPLUG_HEAD_WEIGHTS / SPECPLUG_HEAD_INT8), their defaults, checks and
-sources are specplug.common.head_section's, the same for SGLang (docs/heads.md, "The
-specplug section"). vLLM maps no argument onto the schema: its num_speculative_tokens is
-checked against the tree here (check_num_speculative_tokens). What this adapter adds:
-sampled drafts (draft_temperature) and the draft gate run in stage "chain" only, adaptive
-speculation not in stage "tree"; a head whose dimensions vLLM cannot shard over the
-engine's tensor_parallel_size, or any head at pipeline_parallel_size > 1, is refused when
-vLLM builds its speculative config (check_head_shards, patch "SpeculativeConfig.__post_init__
-shards" in patches.py).
+"""A head's `specplug` section in vLLM: vLLM's method -> the head's kind (HEAD_METHOD), the
+schema's settings (specplug.common.head_section, the same for SGLang) refused where vLLM
+cannot run them, and the head checked against its target and the engine's parallel layout.
+Without a section vLLM's built-in path runs untouched.
 """
 
 from __future__ import annotations
@@ -26,12 +12,6 @@ from typing import Any, Mapping
 
 from specplug.common.head_section import ENV_ADAPTIVE, ENV_DRAFT_TEMPERATURE, ENV_GATE, ENV_TREE, HeadSettings, parse
 from specplug.common.parallel import shard_error
-
-# How the specplug proposer drafts inside vLLM: the core schema as parsed (HeadSettings).
-# In stage "chain" vLLM's num_speculative_tokens is the draft depth (the chain vLLM
-# verifies has exactly that many tokens); in stage "tree" the depth is tree.depth and
-# num_speculative_tokens must equal tree.budget (see check_num_speculative_tokens).
-AdapterSettings = HeadSettings
 
 # vLLM's speculative method -> the method a specplug head's section names
 HEAD_METHOD = {"eagle3": "eagle3", "eagle": "eagle1", "medusa": "medusa"}
@@ -60,8 +40,14 @@ def specplug_section(hf_config: Any, vllm_method: str = "eagle3") -> dict | None
     return dict(section)
 
 
+def speculative_section(speculative_config) -> dict | None:
+    """The specplug section of a SpeculativeConfig's draft model for its method, else None."""
+    draft = getattr(speculative_config, "draft_model_config", None)
+    return None if draft is None else specplug_section(draft.hf_config, speculative_config.method)
+
+
 def adapter_settings(section: Mapping[str, Any], environ: Mapping[str, str] = os.environ, *,
-                     method: str | None = None, num_heads: int | None = None) -> AdapterSettings:
+                     method: str | None = None, num_heads: int | None = None) -> HeadSettings:
     """The section's settings (specplug.common.head_section.parse, environment applied),
     refused where vLLM cannot run them (check_vllm)."""
     settings = parse(section, environ, method=method, num_heads=num_heads).settings
@@ -69,7 +55,7 @@ def adapter_settings(section: Mapping[str, Any], environ: Mapping[str, str] = os
     return settings
 
 
-def check_vllm(settings: AdapterSettings) -> None:
+def check_vllm(settings: HeadSettings) -> None:
     """ValueError for what vLLM runs in stage "chain" only: sampled drafts and the gate."""
     if settings.draft_temperature is not None and settings.stage != "chain":
         raise ValueError(f"specplug \"draft_temperature\" (sampled drafts) needs stage \"chain\", the head says "
@@ -80,7 +66,7 @@ def check_vllm(settings: AdapterSettings) -> None:
                          f"drop \"gate\" (or set {ENV_GATE}=0), or use stage \"chain\"")
 
 
-def check_num_speculative_tokens(settings: AdapterSettings, num_speculative_tokens: int) -> None:
+def check_num_speculative_tokens(settings: HeadSettings, num_speculative_tokens: int) -> None:
     """Stage "tree" hands vLLM every kept tree node as a draft token, so vLLM must
     reserve exactly tree.budget draft slots per request; raise ValueError otherwise.
     Adaptive speculation drafts chains of chosen depth: not combined with stage "tree"."""
@@ -137,13 +123,10 @@ def check_head_shards(speculative_config: Any) -> None:
     pipeline_parallel_size when above 1, for specplug heads only:
     vLLM builds the head with the target's TP size and would fail at load with an
     AssertionError from its vocab-parallel or QKV layers."""
-    draft = getattr(speculative_config, "draft_model_config", None)
     parallel = getattr(speculative_config, "target_parallel_config", None)
-    if draft is None or parallel is None:
+    if parallel is None or speculative_section(speculative_config) is None:
         return
-    section = specplug_section(draft.hf_config, speculative_config.method)
-    if section is None:
-        return
+    draft = speculative_config.draft_model_config
     stages = getattr(parallel, "pipeline_parallel_size", 1)
     if stages > 1:
         raise ValueError(

@@ -1,76 +1,15 @@
-"""Tree attention for vLLM-CPU: the CPU_ATTN backend with an ancestor mask for draft trees.
-
-Registered by `register()` in place of vLLM's CPU_ATTN backend
-(`register_backend(AttentionBackendEnum.CPU_ATTN, ...)`). Every row runs vLLM's own
-kernel first; only in a stage-"tree" step, whose attention metadata carries a
-`specplug_tree` attribute (tree_verify.TreeVerifier puts it there), are the rows of tree
-nodes whose ancestors are not exactly the nodes before them recomputed over the
-request's cache blocks, read whole: the context plus the node's ancestors and itself.
-Prefill rows, chain drafts and plain decode keep vLLM's kernel.
+"""Tree attention for vLLM-CPU: the CPU_ATTN backend (registered in place of vLLM's by
+register()) runs vLLM's kernel for every row; in a stage-"tree" step, whose attention
+metadata carries `specplug_tree` (tree_verify.TreeVerifier puts it there), it then
+recomputes the tree rows with their ancestor masks (specplug.common.paged_tree_attention).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import NamedTuple
-
-import torch
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionBackendImpl
 
+from specplug.common.paged_tree_attention import PaddedTrees, attend_tree_rows, pad_trees
 from specplug.vllm_eagle3 import paged_kv
-
-
-@dataclass(frozen=True)
-class TreeRows:
-    """One request's tree in a step: what its attention must see."""
-
-    batch_row: int  # the request's index in the batch (block_table / seq_lens row)
-    root_row: int  # token row of the root (node 0); node i is row root_row + i
-    mask: torch.Tensor  # Bool [N, N] ancestor-or-self mask of the N tree nodes
-    rows: torch.Tensor  # Long [R] nodes whose mask differs from the chain's (recomputed)
-
-
-class PaddedTrees(NamedTuple):
-    """Every tree of a step, padded to T trees x R recomputed rows over the first nb cache
-    blocks of each; built once per step (and attention metadata group), shared by all layers."""
-
-    blocks: torch.Tensor  # Long [T, nb] cache block ids (padding: the tree's first block)
-    bias: torch.Tensor  # [T * nb * kv_heads, R * groups, block_size] 0 where a row may attend a key, -inf elsewhere
-    rows: torch.Tensor  # Long [T, R] token row of each recomputed query (padding: the root's)
-    valid: torch.Tensor  # Bool [T, R] real (not padding) recomputed rows
-
-
-def pad_trees(trees: list[TreeRows], attn_metadata, block_size: int, kv_heads: int, groups: int,
-              dtype: torch.dtype) -> PaddedTrees:
-    """Pad the step's trees (those with rows to recompute) into one PaddedTrees."""
-    seq_lens = [int(attn_metadata.seq_lens[t.batch_row]) for t in trees]
-    width, height = -(-max(seq_lens) // block_size), max(len(t.rows) for t in trees)
-    blocks = torch.zeros(len(trees), width, dtype=torch.long)
-    mask = torch.zeros(len(trees), height, width * block_size, dtype=torch.bool)
-    rows = torch.zeros(len(trees), height, dtype=torch.long)
-    valid = torch.zeros(len(trees), height, dtype=torch.bool)
-    for i, (tree, seq_len) in enumerate(zip(trees, seq_lens)):
-        table = attn_metadata.block_table[tree.batch_row].long()
-        used = -(-seq_len // block_size)
-        blocks[i] = table[0]
-        blocks[i, :used] = table[:used]
-        n, context = len(tree.rows), seq_len - tree.mask.shape[0]  # context: positions before the root
-        mask[i, :n, :context] = True
-        mask[i, :n, context:seq_len] = tree.mask[tree.rows]
-        mask[i, n:, 0] = True  # padding rows attend to one key (no NaN), never written
-        rows[i] = tree.root_row
-        rows[i, :n] = tree.root_row + tree.rows
-        valid[i, :n] = True
-    return PaddedTrees(blocks, _score_bias(mask, block_size, kv_heads, groups, dtype), rows, valid)
-
-
-def _score_bias(mask: torch.Tensor, block_size: int, kv_heads: int, groups: int, dtype) -> torch.Tensor:
-    """Bool [T, R, nb * block_size] (row may attend key) -> additive bias [T * nb * kv_heads,
-    R * groups, block_size]: 0 or -inf, in the order _tree_rows scores (block, kv head, row, group)."""
-    trees, height, keys = mask.shape
-    bias = torch.zeros(mask.shape, dtype=dtype).masked_fill_(~mask, float("-inf"))
-    bias = bias.view(trees, height, 1, keys // block_size, block_size).permute(0, 3, 2, 1, 4)[:, :, :, :, None]
-    return bias.expand(-1, -1, kv_heads, -1, groups, -1).reshape(-1, height * groups, block_size)
 
 
 class TreeCPUAttentionImpl(CPUAttentionBackendImpl):
@@ -91,24 +30,9 @@ class TreeCPUAttentionImpl(CPUAttentionBackendImpl):
         return output
 
     def _tree_rows(self, batch: PaddedTrees, query, kv_cache, output) -> None:
-        """Overwrite the recomputed rows of output ([T, heads * D] or [T, heads, D]) with
-        attention of query ([T, heads, D]) over context + ancestors: each tree's first nb
-        cache blocks are read whole (one copy) and scored per block with the step's bias,
-        grouped-query attention in two batched matmuls. Only valid rows are written."""
-        trees, height = batch.rows.shape
-        width = batch.blocks.shape[1]
+        """The step's padded tree rows attended over their cache blocks, read whole."""
         keys, values = paged_kv.blocks(kv_cache, batch.blocks.flatten())  # [T*nb, kvh, D, bs], [T*nb, kvh, bs, D]
-        kv_heads, dim, block_size = keys.shape[1:]
-        groups = query.shape[1] // kv_heads
-        q = query[batch.rows.flatten()].view(trees, 1, height, kv_heads, groups, dim).permute(0, 1, 3, 2, 4, 5)
-        q = q.expand(-1, width, -1, -1, -1, -1).reshape(-1, height * groups, dim)  # [T*nb*kvh, R*G, D]
-        scores = torch.baddbmm(batch.bias, q, keys.to(q.dtype).reshape(-1, dim, block_size), alpha=self.scale)
-        scores = scores.view(trees, width, kv_heads, height * groups, block_size).permute(0, 2, 3, 1, 4)
-        weights = torch.softmax(scores.reshape(trees, kv_heads, height * groups, -1).float(), -1).to(q.dtype)
-        weights = weights.view(trees, kv_heads, height * groups, width, block_size).permute(0, 3, 1, 2, 4)
-        out = torch.matmul(weights, values.to(q.dtype).view(trees, width, kv_heads, block_size, dim)).sum(1)
-        out = out.view(trees, kv_heads, height, groups, dim).permute(0, 2, 1, 3, 4)[batch.valid]  # [rows, kvh, G, D]
-        output.view(output.shape[0], -1)[batch.rows[batch.valid]] = out.reshape(out.shape[0], -1).to(output.dtype)
+        attend_tree_rows(batch, query, keys, values, self.scale, output)
 
 
 class TreeCPUAttentionBackend(CPUAttentionBackend):

@@ -1,26 +1,14 @@
 """Stage "tree": vLLM verifies a whole draft tree in one target pass (V1 runner, CPU).
 
 The scheduler is untouched: the proposer hands vLLM a tree's N non-root nodes as N draft
-tokens (node i is draft token i; parents precede children, so any prefix of the nodes
-vLLM may keep is still a tree) and records the topology here, keyed by request id.
-vLLM reserves the N slots ctx+1..ctx+N as for a chain. `TreeVerifier` then hooks the
-model runner through runner_state.RunnerState (instance attributes, installed once by
-`install`):
-
-1. `_prepare_inputs`: builds the step's plan and overwrites the tree rows' positions with
-   ctx + depth (the slot mapping is already computed from the chain positions, so only
-   RoPE sees tree positions).
-2. `_build_attention_metadata`: attaches the plan's TreeRows to every CPU attention
-   metadata object (tree_attention.py masks those rows) and keeps each layer's slot
-   mapping for the compaction.
-3. the sampler (sampler.SpecplugChainSampler with this verifier as its `tree`) gets the
-   tree layout from `parents_for`, verifies with specplug.common.sampling.verify, and
-   calls `accept`, which copies each accepted node's KV from slot ctx+n_i to ctx+i in
-   every layer and keeps the row order the proposer applies to its inputs
-   (`committed_order`), so the drafter and the rest of vLLM see an ordinary chain.
-
-Requests drafted as chains (structured output, penalties, ... see the proposer) and
-steps without trees leave all of this inactive.
+tokens (parents precede children, so any prefix vLLM keeps is still a tree) and records
+the topology here. `TreeVerifier` hooks the runner through RunnerState: after
+`_prepare_inputs` it plans the step and gives the tree rows positions ctx + depth (the slot
+mapping stays the chain's); after `_build_attention_metadata` it attaches the trees to
+every CPU attention metadata object (tree_attention.py masks those rows); the sampler
+verifies with `parents_for` and calls `accept`, which moves each accepted node's KV to its
+chain slot in every layer and keeps the row order for the drafter (`committed_order`), so
+the drafter and the rest of vLLM see an ordinary chain.
 """
 
 from __future__ import annotations
@@ -30,10 +18,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specplug.common.tree import ancestor_mask, is_chain, tree_depths
+from specplug.common.paged_tree_attention import TreeRows, compaction_moves, scheduled_parents, tree_rows
+from specplug.common.tree import is_chain, tree_depths
 from specplug.vllm_eagle3 import paged_kv
 from specplug.vllm_eagle3.runner_state import RunnerState
-from specplug.vllm_eagle3.tree_attention import TreeRows
 
 logger = logging.getLogger(__name__)
 
@@ -82,32 +70,19 @@ class TreeVerifier:
         drafts = spec_metadata.draft_token_ids.cpu().split(spec_metadata.num_draft_tokens)
         parents, root_rows, trees = [], [], []
         for b, (req_id, n) in enumerate(zip(req_ids, spec_metadata.num_draft_tokens)):
-            parents.append(self._parents(drafted.get(req_id), drafts[b]))
+            parents.append(scheduled_parents(drafted.get(req_id), drafts[b]))
             root_rows.append(ends[b] - n - 1)
             if not is_chain(parents[-1]):
                 trees.append(self._tree_rows(b, root_rows[-1], parents[-1]))
         if trees:
             self.step = TreeStep(parents, root_rows, trees)
 
-    @staticmethod
-    def _parents(drafted, drafts: torch.Tensor) -> torch.Tensor:
-        """Long [n + 1]: the recorded tree's first n + 1 nodes if vLLM scheduled exactly its
-        first n draft tokens (drafts Long [n]), else a chain (vLLM's own or zeroed drafts)."""
-        n = drafts.shape[0]
-        chain = torch.arange(-1, n)
-        if drafted is None or n + 1 > drafted[0].shape[0]:
-            return chain
-        tokens, parents = drafted
-        return parents[:n + 1] if torch.equal(tokens[1:n + 1], drafts.to(tokens.dtype)) else chain
-
     def _tree_rows(self, batch_row: int, root_row: int, parents: torch.Tensor) -> TreeRows:
         """Tree positions for the request's rows; its TreeRows for the attention."""
         positions = self.state.positions  # [max tokens], chain positions from _prepare_inputs
         rows = slice(root_row, root_row + parents.shape[0])
         positions[rows] = positions[root_row] + tree_depths(parents).to(positions.dtype)
-        mask = ancestor_mask(parents)  # [N, N]
-        chain_mask = torch.ones_like(mask).tril()
-        return TreeRows(batch_row, root_row, mask, (mask != chain_mask).any(dim=1).nonzero().flatten())
+        return tree_rows(batch_row, root_row, parents)
 
     def _attach(self, attn_metadata) -> None:
         """The step's trees onto every CPU attention metadata object (no step: nothing)."""
@@ -138,14 +113,7 @@ class TreeVerifier:
         step, self.step = self.step, None
         if step is None:
             return
-        src, dst = [], []
-        for tree in step.trees:
-            a = int(num_accepted[tree.batch_row])
-            path = accepted_nodes[tree.batch_row, 1:a + 1].cpu()  # [a] node ids, depth 1..a
-            moved = path != torch.arange(1, a + 1)
-            src.append(tree.root_row + path[moved])
-            dst.append(tree.root_row + torch.arange(1, a + 1)[moved])
-        src, dst = torch.cat(src), torch.cat(dst)
+        src, dst = compaction_moves(step.trees, accepted_nodes, num_accepted)
         if src.numel() == 0:
             return
         self._copy_kv(step.layer_slots, src, dst)

@@ -40,7 +40,7 @@ def token_ids(llm, prompts):
 
 
 def controller(llm) -> ChainAdaptiveController:
-    adaptive = drafter_of(llm).adaptive
+    adaptive = drafter_of(llm).policy.adaptive
     assert adaptive is not None, "the head's specplug section says adaptive: true"
     return adaptive
 
@@ -77,7 +77,7 @@ def test_adaptive_flag_from_section_and_env():
 
 
 def test_adaptive_is_off_by_default(engine, target, specplug_head):
-    assert drafter_of(engine(target, specplug_head)).adaptive is None
+    assert drafter_of(engine(target, specplug_head)).policy.adaptive is None
 
 
 @pytest.mark.parametrize("batch", [1, 4])
@@ -182,9 +182,9 @@ def test_backlog_over_the_cap_drops_its_oldest_rows(engine, target, chain_head, 
     llm = _forced_pattern(engine, target, monkeypatch, PATTERN)
     reference = token_ids(engine(target, chain_head), PROMPTS[2:3])
     proposer = drafter_of(llm)
-    if proposer.drafting is None:
-        proposer.drafting = EagleDrafting(DenseEagle3Head(proposer.model))
-    drafting = proposer.drafting
+    if proposer.session.drafting is None:
+        proposer.session.drafting = EagleDrafting(DenseEagle3Head(proposer.model))
+    drafting = proposer.session.drafting
     monkeypatch.setattr(drafting, "max_pending_rows", 4)
     rows, positions, catch_up, step = [], [], drafting.catch_up, drafting.runner.step
 

@@ -40,7 +40,7 @@ def test_greedy_matches_no_speculation(engine, target, specplug_log, section, nu
     llm = engine(target, head, num_spec_tokens, method="eagle")
     prompts = PROMPTS[:8]
     spec, stats = run(llm, prompts, greedy())
-    assert type(drafter_of(llm).drafting.runner).__name__ == "DenseEagle1Head"
+    assert type(drafter_of(llm).session.drafting.runner).__name__ == "DenseEagle1Head"
     assert spec == run(engine(target), prompts, greedy())[0]
     assert stats.num_drafts > 0 and stats.num_accepted_tokens > 0
     assert any("specplug EAGLE-1 proposer active" in m for m in specplug_log.messages)

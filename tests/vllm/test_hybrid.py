@@ -45,7 +45,7 @@ def test_retrieval_candidates_reach_the_drafts(hybrid):
     """Retrieval offers candidates beside the head's in some steps (stage chain: the
     merged trie's best path, path_choice.best_merged_chains; stage tree: the merged tree)."""
     drafter = drafter_of(hybrid)
-    assert drafter.token_drafter is not None
+    assert drafter.session.token_drafter is not None
     found, token_trees = [], drafter.session._token_trees
 
     def recording(trees, req_ids, depth, budget):
@@ -59,7 +59,7 @@ def test_retrieval_candidates_reach_the_drafts(hybrid):
     finally:
         del drafter.session._token_trees
     assert any(found)
-    assert len(drafter.token_drafter.cache) > 0  # finished requests joined the cache
+    assert len(drafter.session.token_drafter.cache) > 0  # finished requests joined the cache
 
 
 def test_bad_retrieval_settings_fail_at_start():
@@ -81,7 +81,7 @@ def test_drafted_alone_skip_the_head_and_stay_lossless(engine, target):
     llm = engine(target, head)
     sampling = params(max_tokens=48, temperature=0.0)
     spec = token_ids(llm.generate(REPEATING, sampling, use_tqdm=False))
-    assert drafter_of(llm).drafted_alone > 0
+    assert drafter_of(llm).session.drafted_alone > 0
     assert spec == token_ids(engine(target).generate(REPEATING, sampling, use_tqdm=False))
 
 
@@ -95,7 +95,7 @@ def test_calibrated_hybrid_learns_and_stays_lossless(engine, target):
     spec, stats = run(llm, REPEATING, sampling)
     assert stats.num_drafts > 0
     assert spec == token_ids(engine(target).generate(REPEATING, sampling, use_tqdm=False))
-    verified = drafter_of(llm).scale.calibration.verified.sum(1)  # [head, tokens]
+    verified = drafter_of(llm).session.scale.calibration.verified.sum(1)  # [head, tokens]
     assert (verified > 0).all()
 
 
@@ -143,7 +143,7 @@ def test_a_registered_drafter_runs_beside_the_head(engine, target, tmp_path_fact
     llm = engine(target, tiny_head_dir(target, specplug={**SPECPLUG_CHAIN, "drafter": drafter}))
     sampling = params(max_tokens=32, temperature=0.0)
     spec, stats = run(llm, REPEATING, sampling)
-    assert type(drafter_of(llm).token_drafter).__name__ == cls
+    assert type(drafter_of(llm).session.token_drafter).__name__ == cls
     assert stats.num_drafts > 0
     assert spec == token_ids(engine(target).generate(REPEATING, sampling, use_tqdm=False))
 
@@ -160,7 +160,7 @@ def test_self_spec_runs_the_targets_own_layers_as_vllm_loaded_them(engine, targe
 
     drafter = {"name": "self_spec", "layers": layers, "max_depth": 3, "topk": 2}
     llm = engine(target, tiny_head_dir(target, specplug={**SPECPLUG_CHAIN, "drafter": drafter}))
-    model = drafter_of(llm).token_drafter.drafter.model
+    model = drafter_of(llm).session.token_drafter.drafter.model
     hf = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32)
     view = layer_skip_view(hf, layers)
     ids = torch.tensor([[5, 17, 99, 3, 250, 41, 7, 8]])
@@ -184,7 +184,7 @@ def test_draft_gate_withholds_chains_per_request_and_stays_lossless(engine, targ
     engine's timings) and with a forced pattern that withholds every other chain."""
     head = tiny_head_dir(target, specplug={**SPECPLUG_CHAIN, "retrieval": RETRIEVAL, "gate": True})
     llm = engine(target, head)
-    gate = drafter_of(llm).gate
+    gate = drafter_of(llm).session.gate
     sampling = params(max_tokens=32, temperature=0.0)
     baseline = token_ids(engine(target).generate(REPEATING, sampling, use_tqdm=False))
     assert token_ids(llm.generate(REPEATING, sampling, use_tqdm=False)) == baseline
@@ -219,14 +219,15 @@ def test_steps_without_drafts_leave_the_token_drafter_to_catch_up_when_drafting_
     llm = engine(target, head)
     proposer = drafter_of(llm)
     depths, chosen = iter([0, 0, 0, NUM_SPEC_TOKENS] * 1000), []
-    monkeypatch.setattr(proposer.payoff.control, "choose", lambda batch: chosen.append(next(depths)) or chosen[-1])
+    monkeypatch.setattr(proposer.policy.payoff.control, "choose",
+                        lambda batch: chosen.append(next(depths)) or chosen[-1])
     synced, held, sync = [], [], proposer._sync_token_drafter
 
     def checked(requests):
         synced.append(len(requests))
         sync(requests)
         for req_id, *_ in requests:
-            held.append(proposer.token_drafter.tokens(req_id)[:-1] == proposer.state.known_tokens(req_id))
+            held.append(proposer.session.token_drafter.tokens(req_id)[:-1] == proposer.state.known_tokens(req_id))
 
     monkeypatch.setattr(proposer, "_sync_token_drafter", checked)
     sampling = params(max_tokens=32, temperature=0.0)

@@ -33,7 +33,7 @@ def test_greedy_output_equals_no_speculation_whatever_depths_run(engine, target,
     prompts = PROMPTS[:batch]
     spec, stats = run(payoff_engine, prompts, sampling)
     assert spec == token_ids(engine(target).generate(prompts, sampling, use_tqdm=False))
-    control = drafter_of(payoff_engine).payoff.control
+    control = drafter_of(payoff_engine).policy.payoff.control
     # over the engine's life (batch 1, then 4) it timed plain steps and drafting ones; at
     # batch 4 it may run plain steps only (a depth that lost at batch 1 is not explored)
     assert control is not None and len(control.choice_counts) >= 2
@@ -60,7 +60,7 @@ def test_trees_or_none_keep_greedy_output(engine, target, payoff_tree_engines, m
     prompts = PROMPTS[:batch]
     spec, stats = run(llm, prompts, sampling)
     assert spec == token_ids(engine(target).generate(prompts, sampling, use_tqdm=False))
-    control = drafter_of(llm).payoff.control
+    control = drafter_of(llm).policy.payoff.control
     assert control.arms == (0, control.max_depth)
     assert set(control.choice_counts) == {0, control.max_depth}  # plain steps and trees (batch 1 first)
     assert batch > 1 or stats.num_drafts > 0

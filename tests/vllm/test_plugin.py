@@ -12,7 +12,8 @@ pytest.importorskip("vllm", reason="needs the vLLM environment: bash scripts/tes
 from specplug.common.tree import TreeConfig
 from specplug.vllm_eagle3 import check_vllm_version
 from specplug.vllm_eagle3.metrics import SpecDecodeStats, spec_decode_stats, stats_from_outputs
-from specplug.vllm_eagle3.settings import AdapterSettings, adapter_settings, specplug_section
+from specplug.common.head_section import HeadSettings
+from specplug.vllm_eagle3.settings import adapter_settings, specplug_section
 from tests.vllm.conftest import PROMPTS, SPECPLUG_TREE, drafter_of
 from tests.support.tiny_eagle3 import tiny_head_dir
 
@@ -42,7 +43,7 @@ def test_version_guard_names_the_supported_version():
 
 def test_settings_from_section_and_env_override():
     section = specplug_section({"specplug": SPECPLUG_TREE})
-    assert adapter_settings(section, environ={}) == AdapterSettings(TreeConfig(topk=3))
+    assert adapter_settings(section, environ={}) == HeadSettings(TreeConfig(topk=3))
     assert adapter_settings(section, environ={"SPECPLUG_TREE": '{"topk": 1}'}).tree.topk == 1
     assert specplug_section({"architectures": ["LlamaForCausalLMEagle3"]}) is None
     with pytest.raises(ValueError, match="verification 'typical'"):
@@ -63,7 +64,7 @@ def test_specplug_head_switches_the_plugin_on(engine, target, specplug_head, spe
     llm = engine(target, specplug_head)
     drafter = drafter_of(llm)
     assert type(drafter).__name__ == "SpecplugEagleProposer"
-    assert drafter.specplug == AdapterSettings(TreeConfig(topk=3), payoff=False)  # the suite's SPECPLUG_PAYOFF=0
+    assert drafter.specplug == HeadSettings(TreeConfig(topk=3), payoff=False)  # the suite's SPECPLUG_PAYOFF=0
     assert any("specplug EAGLE-3 proposer active" in m for m in specplug_log.messages)
 
 

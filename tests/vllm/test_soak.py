@@ -36,7 +36,8 @@ def test_medusa_config_serves_specplugs_medusa_tree_on_the_converted_heads():
     from pathlib import Path
 
     from specplug import soak
-    from specplug.vllm_eagle3.medusa_settings import heads_in_checkpoint, tree_nodes
+    from specplug.common.heads.medusa import medusa_head_count
+    from specplug.vllm_eagle3.medusa_settings import tree_nodes
 
     parser = argparse.ArgumentParser()
     soak.add_arguments(parser)
@@ -45,6 +46,6 @@ def test_medusa_config_serves_specplugs_medusa_tree_on_the_converted_heads():
     spec = soak.vllm_spec(args, "medusa")
     config = json.loads((Path(spec["model"]) / "config.json").read_text())
     assert spec["method"] == "medusa" and config["specplug"]["stage"] == "tree"
-    assert spec["num_speculative_tokens"] == tree_nodes(spec["model"]) > heads_in_checkpoint(spec["model"])
+    assert spec["num_speculative_tokens"] == tree_nodes(spec["model"]) > medusa_head_count(spec["model"])
     with pytest.raises(ValueError, match="choose from adaptive,chain,medusa,none,tree"):
         soak.defaults(parser.parse_args(["--engine", "vllm", "--configs", "retrieval"]))

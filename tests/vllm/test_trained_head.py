@@ -65,7 +65,7 @@ def trained_head_tau(engine, tmp_path_factory):
         llm = engine(target, str(_head_with(root, stage, hybrid)), num_spec_tokens=num_spec_tokens,
                      max_model_len=2048)
         drafter = drafter_of(llm)
-        assert drafter.specplug.stage == stage and (drafter.token_drafter is not None) == hybrid
+        assert drafter.specplug.stage == stage and (drafter.session.token_drafter is not None) == hybrid
         outputs = llm.generate(texts, SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True), use_tqdm=False)
         tau[stage, hybrid] = stats_from_outputs(outputs).tau
     return tau

@@ -14,7 +14,8 @@ import torch
 
 from specplug.common.tree import ancestor_mask
 from specplug.vllm_eagle3 import paged_kv
-from specplug.vllm_eagle3.tree_attention import TreeCPUAttentionImpl, TreeRows, pad_trees
+from specplug.common.paged_tree_attention import TreeRows, pad_trees
+from specplug.vllm_eagle3.tree_attention import TreeCPUAttentionImpl
 
 pytestmark = pytest.mark.vllm
 

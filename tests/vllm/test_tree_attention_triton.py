@@ -30,7 +30,8 @@ import torch  # noqa: E402
 
 from specplug.common import tree as T  # noqa: E402
 from specplug.vllm_eagle3 import paged_kv  # noqa: E402
-from specplug.vllm_eagle3.tree_attention import TreeCPUAttentionImpl, TreeRows, pad_trees  # noqa: E402
+from specplug.common.paged_tree_attention import TreeRows, pad_trees  # noqa: E402
+from specplug.vllm_eagle3.tree_attention import TreeCPUAttentionImpl  # noqa: E402
 from specplug.common.cuda.tree_attention_triton import pack_tree_masks  # noqa: E402
 from tests.support.tree_attention_cases import (  # noqa: E402
     DIM, KERNEL_ARGUMENTS, KV_HEADS, cases, paged_inputs, reference)

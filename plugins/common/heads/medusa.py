@@ -14,8 +14,10 @@ pass `fill_shared_layers=True`).
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Mapping
 
 import torch
@@ -146,3 +148,27 @@ def _fill_shared_layers(given: dict, config: MedusaConfig) -> dict:
                     out[dst] = out[src]
                     logger.info("Medusa head %d layer %d: filled from shared layer 0 (%s)", k, j, p)
     return out
+
+
+def medusa_head_count(head_dir) -> int:
+    """The number of heads in HEAD_DIR/config.json: FasterDecoding's "medusa_num_heads"
+    (MedusaConfig's key, what specplug writes), else vLLM's "num_heads" (a checkpoint in
+    vLLM's Medusa format). ValueError when neither is an int >= 1."""
+    config_file = Path(head_dir) / "config.json"
+    config = json.loads(config_file.read_text())
+    heads = config.get("medusa_num_heads", config.get("num_heads"))
+    if not isinstance(heads, int) or heads < 1:
+        raise ValueError(f"medusa_num_heads in {config_file} must be an int >= 1, got {heads!r}: this is not a "
+                         "Medusa head checkpoint; train heads with `specplug train` or convert them with "
+                         "`specplug convert`")
+    return heads
+
+
+def faster_decoding_config(head_dir) -> dict | None:
+    """HEAD_DIR/config.json when it is a FasterDecoding Medusa config ("medusa_num_heads",
+    no "model_type": transformers' AutoConfig refuses it), else None."""
+    config_file = Path(str(head_dir)) / "config.json"
+    if not config_file.is_file():
+        return None
+    config = json.loads(config_file.read_text())
+    return config if "medusa_num_heads" in config and "model_type" not in config else None
