@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .hooks import drafters, get_drafter
-from .retrieval.config import retrieval_fields, retrieval_override
+from .retrieval.config import ENV_RETRIEVAL, retrieval_fields, retrieval_override
 from .token_drafters import TokenDrafter
 
 ENV_DRAFTER = "SPECPLUG_DRAFTER"  # a registered drafter's name, or {"name": ..., its fields}; "0" = off
@@ -102,3 +102,76 @@ def bind_target(drafter: TokenDrafter, target) -> None:
 def token_drafter_names() -> list[str]:
     """Registered drafters that speak TokenDrafter (a from_settings classmethod)."""
     return sorted(name for name, obj in drafters().items() if callable(getattr(obj, "from_settings", None)))
+
+
+# -- a token drafter run as an engine's own algorithm (SGLang's RETRIEVAL, DRAFT_MODEL ...) ----------
+
+# RETRIEVAL's defaults over RetrievalConfig's in SGLang: a tree is verified whole (every
+# node, min_prob 0) when its expected accepted length reaches 0.5, else the root alone
+# (docs/sglang.md: on the CPU path a verify pass costs nearly the same for 4-9 nodes).
+SGLANG_RETRIEVAL = {"min_prob": 0.0, "min_expected": 0.5}
+DEFAULT_BUDGET = DEFAULT_DEPTH = 8  # a token drafter's tree size when no argument sets it
+
+
+@dataclass(frozen=True)
+class TokenDrafterSettings:
+    """What a token drafter's worker needs: the registered drafter and its settings, with
+    "budget" (draft nodes, root excluded) and "max_depth" always fixed."""
+
+    choice: DrafterChoice
+
+    @property
+    def budget(self) -> int:
+        return self.choice.settings["budget"]
+
+    @property
+    def max_depth(self) -> int:
+        return self.choice.settings["max_depth"]
+
+    @property
+    def num_nodes(self) -> int:
+        """Most tree nodes a step verifies, root included (SGLang's speculative_num_draft_tokens)."""
+        return self.budget + 1
+
+
+def token_drafter_settings(name: str, environ: Mapping[str, str],
+                           arguments: Mapping[str, tuple[str, Any]]) -> TokenDrafterSettings:
+    """The settings of registered token drafter `name`, its algorithm named NAME.upper()
+    in errors: for "retrieval", SGLANG_RETRIEVAL then SPECPLUG_RETRIEVAL's fields; then
+    SPECPLUG_DRAFTER's fields; then the engine's `arguments` ({"budget" / "max_depth":
+    (argument name, value)}, those given), else DEFAULT_BUDGET / DEFAULT_DEPTH. ValueError
+    names the argument or variable and the fix."""
+    label = name.upper()
+    fields = {**(_retrieval_fields(environ) if name == "retrieval" else {}), **_drafter_fields(name, environ)}
+    for key, (argument, value) in arguments.items():
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{label}: {argument} must be an int >= 1, got {value!r}: pass a positive value or "
+                             "leave it unset")
+        fields[key] = value
+    choice = DrafterChoice(name, {"budget": DEFAULT_BUDGET, "max_depth": DEFAULT_DEPTH, **fields})
+    try:
+        check_choice(choice)
+    except ValueError as exc:
+        raise ValueError(f"{label}: {exc}") from exc
+    return TokenDrafterSettings(choice)
+
+
+def _retrieval_fields(environ: Mapping[str, str]) -> dict:
+    override = retrieval_override(environ)
+    if override is False:
+        raise ValueError(f"RETRIEVAL: {ENV_RETRIEVAL} must be unset, 1 or a JSON object for RETRIEVAL, got "
+                         f"{environ.get(ENV_RETRIEVAL)!r}: unset it: RETRIEVAL has no other drafter")
+    return {**SGLANG_RETRIEVAL, **(override if isinstance(override, dict) else {})}
+
+
+def _drafter_fields(name: str, environ: Mapping[str, str]) -> dict:
+    """SPECPLUG_DRAFTER's fields, when it names this drafter (or gives no name)."""
+    choice = env_choice(environ, default_name=name)
+    if choice is None:
+        return {}
+    if choice is False or choice.name != name:
+        other = "" if choice is False else choice.name.upper()
+        raise ValueError(f"{name.upper()}: {ENV_DRAFTER} must be the fields of drafter {name!r} (a JSON object, "
+                         f"\"name\" {name!r} or none), got {environ.get(ENV_DRAFTER)!r}: the algorithm chooses the "
+                         f"drafter; set --speculative-algorithm {other or 'NAME'} or fix the variable")
+    return dict(choice.settings)

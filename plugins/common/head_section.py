@@ -156,6 +156,12 @@ class Verification:
         for name in ("typical_epsilon", "typical_delta"):
             _threshold(getattr(self, name), f"Verification.{name}")
 
+    @property
+    def rule(self) -> str:
+        """specplug.common.verify_step's rule for sampled requests: "typical" (LOSSY) for
+        method "typical", else "rejection" (each request's own lossless rule)."""
+        return "typical" if self.method == "typical" else "rejection"
+
 
 @dataclass(frozen=True)
 class MedusaTree:
@@ -218,6 +224,13 @@ class HeadSettings:
         if self.draft_temperature is not None:
             _temperature(self.draft_temperature, "HeadSettings.draft_temperature")
 
+    @property
+    def medusa_nodes(self) -> int:
+        """A Medusa head's static tree size, root included (MedusaDrafter's template: the
+        explicit choices, else TreeConfig.static_nodes): SGLang's speculative_num_draft_tokens."""
+        choices = self.medusa.choices
+        return len(choices) + 1 if choices is not None else self.tree.static_nodes + 1
+
 
 @dataclass(frozen=True)
 class ParsedSection:
@@ -274,13 +287,25 @@ def _check_section(section, where="config.json"):
 
 
 def parse(section: Mapping[str, Any] | None, environ: Mapping[str, str] = os.environ, *, method: str | None = None,
-          arguments: Mapping[str, Argument] | None = None, num_heads: int | None = None) -> ParsedSection:
+          arguments: Mapping[str, Argument] | None = None, num_heads: int | None = None,
+          label: str | None = None) -> ParsedSection:
     """The effective settings of a head's `specplug` section (None: the head has none)
     and their sources: engine `arguments` ({field: Argument}, only those given) over the
     environment over the section over HeadSettings' defaults. `method`: the kind of head
     the engine serves (else the section's "method"); Medusa heads read their tree's shape
     (SPECPLUG_MEDUSA_TREE) and, with `num_heads`, keep the tree within the heads. Raises
-    ValueError naming the field, what was expected, what was given, where, and the fix."""
+    ValueError naming the field, what was expected, what was given, where, and the fix,
+    prefixed with `label` (the engine's name for the algorithm) when given; a
+    SettingTypeError stays one."""
+    try:
+        return _parse(section, environ, method, arguments, num_heads)
+    except ValueError as exc:
+        if label is None:
+            raise
+        raise (SettingTypeError if isinstance(exc, TypeError) else ValueError)(f"{label}: {exc}") from exc
+
+
+def _parse(section, environ, method, arguments, num_heads) -> ParsedSection:
     section = dict(_check_section(section) or {})
     arguments = dict(arguments or {})
     _check_arguments(arguments)

@@ -64,6 +64,21 @@ class AcceptanceStats:
             self._add_per_pos(reach.tolist())
         return self
 
+    @classmethod
+    def from_histograms(cls, histograms, draft_tokens_per_step: int | None = None) -> "AcceptanceStats":
+        """Merge per-request histograms (h[i] = verify steps that accepted exactly i draft
+        tokens, SGLang's `spec_correct_drafts_histogram`; None or empty skipped) into one.
+        draft_tokens_per_step: tree nodes minus the root, if known."""
+        stats = cls()
+        for histogram in histograms:
+            if not histogram:
+                continue
+            counts = torch.as_tensor(histogram, dtype=torch.long)
+            num_accepted = torch.repeat_interleave(torch.arange(counts.numel()), counts)  # [steps]
+            proposed = None if draft_tokens_per_step is None else draft_tokens_per_step * num_accepted.numel()
+            stats.update(num_accepted, proposed)
+        return stats
+
     def _add_per_pos(self, counts: list[int]) -> None:
         if len(counts) > len(self.accepted_per_pos):
             self.accepted_per_pos.extend([0] * (len(counts) - len(self.accepted_per_pos)))

@@ -203,3 +203,16 @@ def _penalize(x, rules, request, paths) -> torch.Tensor:
     if rules.presence is not None:
         x = x - rules.presence.to(x.device)[req, None] * output_mask
     return x
+
+
+STRUCTURED_KEYS = ("json_schema", "regex", "ebnf", "structural_tag")  # SGLang's structured-output fields
+
+
+def structured_output_key(sampling_params) -> str | None:
+    """The structured-output field (STRUCTURED_KEYS) a request's sampling params (dict or
+    list of dicts) set, else None: specplug's tree verification applies no grammar."""
+    for params in sampling_params if isinstance(sampling_params, list) else [sampling_params]:
+        for key in STRUCTURED_KEYS:
+            if isinstance(params, dict) and params.get(key) is not None:
+                return key
+    return None

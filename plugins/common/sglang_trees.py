@@ -6,7 +6,9 @@ Engine-free (torch only): the SGLang adapter hands these to SGLang's TARGET_VERI
 * ``tree_layout`` / ``batch_layout``: a tree's (or each request's) mask, depths and
   retrieve links, as the adapter builds a verify batch from them; ``root_only_batch``
   and ``ROOT_ONLY``: a plain decode step's.
-* ``accepted_outputs``: accept_index, predict and accept_tokens of a VerifyResult.
+* ``accepted_outputs``: accept_index, predict and accept_tokens of a VerifyResult;
+  ``full_width`` pads them to the reserved node count; ``prefill_outputs``: a prefill's.
+* ``request_masks``: a verify batch's custom_mask, either layout, split per request.
 
 * ``sglang_layout``: the retrieve links SGLang's tree acceptance walks.
 * ``flat_tree_masks``: the tree-only export, ``n x n`` per request (SGLang's ngram
@@ -128,6 +130,17 @@ def vocab_width(q: torch.Tensor, vocab: int) -> torch.Tensor:
     return torch.nn.functional.pad(q, (0, vocab - q.shape[-1]))
 
 
+def verify_q(session, request_ids, tree: TreeBatch, vocab: int, device):
+    """q of a step's drafts drawn from q, for verify_step on the logits' vocabulary width
+    (vocab_width) and device: {row: q Float [k, V]} from `session`'s step record (a
+    drafting.session.DraftingSession; None when no row drew), or TreeBatch.draft_probs
+    (every row, or None) without a session."""
+    q = tree.draft_probs if session is None else session.draft_q(request_ids, tree.candidates, tree.num_nodes) or None
+    if isinstance(q, dict):
+        return {b: vocab_width(rows.to(device), vocab) for b, rows in q.items()}
+    return None if q is None else vocab_width(q.to(device), vocab)
+
+
 def root_only_batch(roots: torch.Tensor) -> TreeBatch:
     """Every request verifies its root alone (n = 1): an ordinary decode step."""
     bs = roots.shape[0]
@@ -154,3 +167,40 @@ def accepted_outputs(tree: TreeBatch, verdict: VerifyResult, device) -> tuple[to
     kept = accept_index >= 0
     predict[accept_index[kept].long()] = accept_tokens[kept]
     return accept_index, predict, accept_tokens
+
+
+def full_width(accept_tokens: torch.Tensor, num_nodes: int) -> torch.Tensor:
+    """accept_tokens [B, n] -> [B, num_nodes], zero padded: SGLang reads accepted tokens with
+    the stride of the most nodes a step may verify."""
+    bs, n = accept_tokens.shape
+    if n == num_nodes:
+        return accept_tokens
+    padded = accept_tokens.new_zeros(bs, num_nodes)
+    padded[:, :n] = accept_tokens
+    return padded
+
+
+def prefill_outputs(next_token_ids, bs: int, num_nodes: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """A prefill step's result for `bs` requests as SGLang's bookkeeping reads it: (accept_tokens
+    Int [B * num_nodes], each request's first token in its row's column 0; accept_lens Int [B], all 1)."""
+    accept_tokens = torch.zeros(bs, num_nodes, dtype=torch.int32, device=device)
+    if bs:
+        accept_tokens[:, 0] = next_token_ids
+    return accept_tokens.flatten(), torch.ones(bs, dtype=torch.int32, device=device)
+
+
+def request_masks(custom_mask: torch.Tensor, seq_lens: list[int], n: int) -> list[torch.Tensor]:
+    """Split a verify batch's flat custom_mask into per-request Bool [n, seq_len + n]
+    (True = may attend), accepting the tree-only and the prefix-included layouts."""
+    bs = len(seq_lens)
+    flat = custom_mask.reshape(-1).bool()
+    if flat.numel() == bs * n * n:  # tree-only: the prefix is always visible
+        trees = flat.view(bs, n, n)
+        return [torch.cat([trees.new_ones(n, s), trees[b]], dim=1) for b, s in enumerate(seq_lens)]
+    sizes = [n * (s + n) for s in seq_lens]
+    if flat.numel() < sum(sizes):
+        raise ValueError(
+            f"custom_mask has {flat.numel()} entries; expected {bs * n * n} (tree only) or "
+            f"at least {sum(sizes)} (prefix + tree) for seq_lens {seq_lens} and {n} draft "
+            "tokens per request: the speculative worker built an inconsistent verify batch")
+    return [m.view(n, s + n) for m, s in zip(flat[: sum(sizes)].split(sizes), seq_lens)]

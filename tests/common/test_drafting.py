@@ -219,3 +219,20 @@ def test_masked_attention_equals_sdpa_over_repeated_kv(heads, kv_heads, rows, pa
     ).transpose(0, 1).reshape(rows, heads * dim)
     got = masked_attention(q, keys, values, mask, 0.3)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_prefill_and_accepted_rows_pair_each_state_with_the_token_after_it():
+    """An engine's prefill chunks and verify steps as Committed rows (drafting.eagle)."""
+    from specplug.common.drafting.eagle import accepted_rows, prefill_rows
+    from specplug.common.verify_result import VerifyResult
+
+    states = torch.arange(7.0)[:, None]  # [sum n, 1]: row i's state is i
+    chunks = prefill_rows(["a", "b"], [[5, 6, 7, 8], [9, 10]], [(0, 3), (0, 2)], [99, 11], states[:5])
+    assert [c.shifted.tolist() for c in chunks] == [[6, 7, 8], [10, 11]]  # b's last: its sampled token
+    assert chunks[1].positions.tolist() == [0, 1] and chunks[1].hidden[:, 0].tolist() == [3, 4]
+    candidates = torch.tensor([[1, 2, 3], [4, 5, 6]])  # [B, n]: node 1 under the root, node 2 under node 1
+    verdict = VerifyResult(torch.tensor([[0, 1, 2], [0, -1, -1]]), torch.tensor([2, 0]), torch.tensor([7, 8]))
+    path = accepted_rows(["a", "b"], candidates, verdict, [10, 4], torch.arange(6.0)[:, None])
+    assert [p.shifted.tolist() for p in path] == [[2, 3, 7], [8]]
+    assert [p.positions.tolist() for p in path] == [[10, 11, 12], [4]]
+    assert [p.hidden[:, 0].tolist() for p in path] == [[0, 1, 2], [3]]  # rows b * n + accepted node

@@ -290,3 +290,31 @@ def test_read_section(tmp_path):
 
 def test_the_older_int8_switch_reads_as_head_weights():
     assert value({"head_int8": True}, {}, "head_weights") == ("int8", "config.json")
+
+
+def test_label_prefixes_errors_and_keeps_their_type():
+    with pytest.raises(ValueError, match="^MEDUSA: .*tree.topk"):
+        parse({"tree": {"topk": 0}}, {}, label="MEDUSA")
+    with pytest.raises(hs.SettingTypeError, match="^X: "):
+        parse({"tree": "deep"}, {}, label="X")
+
+
+def test_verification_rule_and_medusa_nodes():
+    assert Verification().rule == "rejection" and Verification(method="typical").rule == "typical"
+    assert HeadSettings(medusa=MedusaTree(shape="choices", choices=((0,), (1,)))).medusa_nodes == 3
+    assert HeadSettings().medusa_nodes == TreeConfig().static_nodes + 1
+
+
+def test_medusa_head_count_reads_either_key(tmp_path):
+    from specplug.common.heads.medusa import faster_decoding_config, medusa_head_count
+
+    for config, heads in (({"medusa_num_heads": 3, "num_heads": 5}, 3), ({"num_heads": 4}, 4)):
+        (tmp_path / "config.json").write_text(json.dumps(config))
+        assert medusa_head_count(tmp_path) == heads
+    assert faster_decoding_config(tmp_path) is None  # vLLM's format
+    (tmp_path / "config.json").write_text(json.dumps({"medusa_num_heads": 2}))
+    assert faster_decoding_config(tmp_path) == {"medusa_num_heads": 2}
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    with pytest.raises(ValueError, match="medusa_num_heads .* must be an int >= 1, got None"):
+        medusa_head_count(tmp_path)
+    assert faster_decoding_config(tmp_path / "missing") is None

@@ -38,3 +38,10 @@ def test_bad_input():
         AcceptanceStats().update(torch.tensor([-1]))
     with pytest.raises(ValueError, match="zero steps"):
         tau(torch.tensor([], dtype=torch.long))
+
+
+def test_from_histograms_merges_requests():
+    """h[i] = steps that accepted exactly i drafts (SGLang's spec_correct_drafts_histogram)."""
+    stats = AcceptanceStats.from_histograms([[1, 0, 1, 1], None, [], [0, 1]], draft_tokens_per_step=3)
+    assert stats.num_steps == 4 and stats.num_accepted == 0 + 2 + 3 + 1
+    assert stats.accepted_per_pos == [3, 2, 1] and stats.num_draft_tokens == 12

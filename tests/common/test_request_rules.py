@@ -205,3 +205,11 @@ def test_penalties_and_min_p_keep_plain_decodings_distribution(with_path, engine
         assert pvalue > ALPHA
     else:  # negative control
         assert pvalue < ALPHA
+
+
+def test_structured_output_key_names_the_field_a_request_sets():
+    from specplug.common.request_rules import structured_output_key
+
+    assert structured_output_key({"temperature": 0.5, "regex": None}) is None
+    assert structured_output_key([{"max_new_tokens": 4}, {"json_schema": "{}"}]) == "json_schema"
+    assert structured_output_key(None) is None and structured_output_key({"ebnf": "root ::= x"}) == "ebnf"

@@ -89,3 +89,26 @@ def test_root_only_batch_is_a_plain_decode_step():
     batch = S.root_only_batch(torch.tensor([4, 9]))
     assert batch.candidates.tolist() == [[4], [9]] and batch.parents.tolist() == [[-1], [-1]]
     assert S.ROOT_ONLY["mask"].tolist() == [[True]] and S.ROOT_ONLY["next_token"].tolist() == [-1]
+
+
+def test_full_width_and_prefill_outputs():
+    from specplug.common.sglang_trees import full_width, prefill_outputs
+
+    tokens = torch.tensor([[5, 6], [7, 0]], dtype=torch.int32)
+    assert full_width(tokens, 2) is tokens and full_width(tokens, 4).tolist() == [[5, 6, 0, 0], [7, 0, 0, 0]]
+    accept_tokens, accept_lens = prefill_outputs(torch.tensor([3, 4]), 2, 3, "cpu")
+    assert accept_tokens.tolist() == [3, 0, 0, 4, 0, 0] and accept_lens.tolist() == [1, 1]
+    assert prefill_outputs(None, 0, 3, "cpu")[0].numel() == 0
+
+
+def test_verify_q_is_on_the_logits_width():
+    from types import SimpleNamespace
+
+    from specplug.common.sglang_trees import verify_q
+
+    tree = SimpleNamespace(draft_probs=torch.full((1, 2, 3), 0.25), candidates=None, num_nodes=None)
+    assert verify_q(None, ["a"], tree, 4, "cpu").shape == (1, 2, 4)  # padded with 0
+    assert verify_q(None, ["a"], SimpleNamespace(draft_probs=None), 4, "cpu") is None
+    session = SimpleNamespace(draft_q=lambda ids, candidates, num_nodes: {0: torch.ones(2, 6)})
+    assert verify_q(session, ["a"], tree, 4, "cpu")[0].shape == (2, 4)  # cut to the vocabulary
+    assert verify_q(SimpleNamespace(draft_q=lambda *a: {}), ["a"], tree, 4, "cpu") is None

@@ -110,3 +110,37 @@ def test_a_failing_drafter_costs_the_step_its_drafts_not_the_server(caplog):
     tree = token_drafters.draft_or_roots(d, ["a", "b"], [2, 7], max_depth=3)
     assert tree.candidates.tolist() == [[2], [7]] and tree.num_nodes.tolist() == [1, 1]
     assert "plugin bug" in caplog.text and "runs without its drafts" in caplog.text
+
+
+def test_synced_token_drafter_syncs_before_drafting_and_drops_stale_requests():
+    """drafting.session.SyncedTokenDrafter: each running request synced to the engine's tokens
+    before it drafts; past max_live, requests missing from the batch are freed; a drafter
+    that raises costs the step its drafts (the roots alone)."""
+    from specplug.common.drafting.session import SyncedTokenDrafter
+
+    class Recorder:
+        def __init__(self):
+            self.live, self.synced, self.freed, self.cleared = {}, [], [], False
+
+        def sync(self, rid, prompt, output):
+            self.live[rid] = list(prompt) + list(output)
+            self.synced.append(rid)
+
+        def free(self, rid):
+            self.live.pop(rid, None)
+            self.freed.append(rid)
+
+        def clear_cache(self):
+            self.cleared = True
+
+        def draft(self, request_ids, roots, **overrides):
+            raise RuntimeError("a drafter's bug")
+
+    synced = SyncedTokenDrafter(Recorder(), max_live=2)
+    synced.sync([("a", [1, 2], [3]), ("b", [4], [])])
+    synced.sync([("c", [5], [])])  # three live, bound two: "a" and "b" left the batch
+    assert synced.drafter.synced == ["a", "b", "c"] and set(synced.drafter.live) == {"c"}
+    trees = synced.draft([("c", [5], [6])], [6])
+    assert trees.candidates.tolist() == [[6]] and synced.drafter.live["c"] == [5, 6]
+    synced.clear()
+    assert not synced.drafter.live and synced.drafter.cleared

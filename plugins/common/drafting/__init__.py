@@ -10,6 +10,7 @@ loaded (vLLM: `specplug.vllm_eagle3.dense_head.DenseEagle3Head` and `DenseEagle1
 - `sampled`: `SampledDrafts`, trees drawn from q for every model-backed drafter.
 - `session`: `DraftingSession`, each request's drafting decisions across steps (sampled
   drafts or top-k, hybrid merging with a token drafter, the step record the verifier reads).
+- `medusa`: `MedusaDrafting`, Medusa heads' trees per step (static, adaptive, drawn, merged).
 
 A head's int8 / int4 linears are specplug.common.quantization's.
 """

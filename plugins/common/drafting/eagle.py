@@ -20,10 +20,10 @@ import torch
 
 from .. import dynamic_trees
 from ..dynamic_trees import Frontier
-from ..tree import TreeBatch, TreeConfig
+from ..tree import DraftTree, TreeBatch, TreeConfig, stack_trees
 from .runner import HeadRunner, Segment
 from .sampled import SampledDrafts
-from .session import stale_requests
+from .session import in_batch_order, stale_requests
 
 MAX_PENDING_ROWS = 512  # a request's deferred rows the head has not seen (adaptive steps without drafts)
 
@@ -333,3 +333,87 @@ class HeldRoots:
         """Free the requests not in `current` (a decode batch: every running request)
         once more than max_live are held."""
         self.free(stale_requests(self.roots, current, self.max_live))
+
+
+# -- an engine's batches as Committed rows, and a step's trees from held Roots ----------------
+
+
+def prefill_rows(request_ids, known_tokens, spans, sampled, states: torch.Tensor) -> list[Committed]:
+    """Each request's prefill chunk (spans: (first position, n) per request) as Committed
+    rows: positions start .. start + n - 1, each paired with the token after it in the
+    request's known tokens (prompt + output), the last chunk's last with its `sampled`
+    token; states [sum n, Hc] in request order."""
+    requests, offset = [], 0
+    for rid, known, (start, n), token in zip(request_ids, known_tokens, spans, sampled):
+        after = list(known[start + 1:start + n]) + [known[start + n] if start + n < len(known) else token]
+        requests.append(Committed(rid, torch.tensor(after), torch.arange(start, start + n),
+                                  states[offset:offset + n]))  # the head combines them at its catch-up
+        offset += n
+    return requests
+
+
+def accepted_rows(request_ids, candidates: torch.Tensor, verdict, seq_lens, states: torch.Tensor) -> list[Committed]:
+    """A verify step's accepted path per request as Committed rows: its m nodes at positions
+    seq_len .. seq_len + m - 1, each paired with the token emitted after it (the next
+    accepted node's, then the bonus). candidates [B, n]; states [B * n, Hc], every node's."""
+    bs, n = candidates.shape
+    emitted = verdict.output_tokens(candidates.to(verdict.accepted_nodes.device))  # [B, D+1]
+    accepted = verdict.num_accepted.tolist()
+    rows = torch.cat([b * n + verdict.accepted_nodes[b, :accepted[b] + 1] for b in range(bs)])
+    accepted_states = states[rows.to(states.device)]  # [sum m, Hc]
+    requests, offset = [], 0
+    for b, rid in enumerate(request_ids):
+        m = accepted[b] + 1
+        requests.append(Committed(rid, emitted[b, :m].cpu(), torch.arange(seq_lens[b], seq_lens[b] + m),
+                                  accepted_states[offset:offset + m]))
+        offset += m
+    return requests
+
+
+def held_trees(held: HeldRoots, session, request_ids, tokens, seq_lens, params, tree: TreeConfig,
+               sampled_tree: TreeConfig, sync_tokens) -> TreeBatch:
+    """One tree per request from its held Root (HeldRoots.in_step), as `session` (a
+    DraftingSession) decides per request within tree.budget; a request out of step verifies
+    its root `tokens[i]` alone. sync_tokens() brings a token drafter to the engine's tokens."""
+    roots = held.in_step(request_ids, tokens, seq_lens)
+    rows = [i for i, r in enumerate(roots) if r is not None]
+    stale = [i for i, r in enumerate(roots) if r is None]
+    parts = [(stale, stack_trees([_root_only(tokens[i]) for i in stale]))] if stale else []
+    if rows:
+        if session.token_drafter is not None:
+            sync_tokens()
+        with torch.inference_mode():
+            parts.append((rows, session.trees([roots[i] for i in rows], [request_ids[i] for i in rows],
+                                              [params[i] for i in rows], tree, sampled_tree, budget=tree.budget)))
+    return parts[0][1] if len(parts) == 1 else in_batch_order(parts, len(request_ids))
+
+
+def _root_only(token: int) -> DraftTree:
+    return DraftTree(torch.tensor([int(token)]), torch.tensor([-1]), torch.zeros(1))  # score 0 = log 1: mergeable
+
+
+def serving_head(path, target_config, device, dtype, embedding, lm_head, head_weights: str, who: str, log):
+    """The EAGLE-3 or EAGLE-1 head at `path` for serving, without autograd: where it has no
+    embedding, the target's (`embedding()`: [vocab', H], sliced to the head's vocab, never
+    copied); an EAGLE-1 head scores with the target's LM head (`lm_head()`, likewise); its
+    linears with "head_weights" int8 / int4 weights where they can run (quantization.
+    head_linears; `who` and `log` name it). ValueError for any other kind of head."""
+    from specplug.common.formats import load_head_module
+    from specplug.common.quantization import head_linears
+
+    head = load_head_module(path, target_config=target_config, device=device, dtype=dtype).eval()
+    head.requires_grad_(False)  # serving: no autograd graph behind the states the head keeps
+    if getattr(head, "KIND", None) not in ("EAGLE-3", "EAGLE-1"):
+        raise ValueError(f"{who}: {path} holds a {type(head).__name__}, not an EAGLE-3 or EAGLE-1 head: serve "
+                         "Medusa heads with their own algorithm (MEDUSA)")
+    vocab = head.config.vocab_size
+    if not hasattr(head, "embed_tokens"):
+        head.set_target_embedding(torch.nn.Embedding.from_pretrained(embedding()[:vocab], freeze=True))
+    if head.KIND == "EAGLE-1":
+        linear = torch.nn.Linear(head.config.hidden_size, vocab, bias=False, device="meta")
+        linear.weight = torch.nn.Parameter(lm_head()[:vocab], requires_grad=False)
+        head.set_target_lm_head(linear)
+    if head_weights != "float":  # an EAGLE-3 head's linears after fc
+        head_linears.use_head_weights(head.KIND, head_weights, lambda: head_linears.swap_linears(
+            head, head_linears.EAGLE3_MODULES, head_weights), str(path), who, log)
+    return head

@@ -303,3 +303,36 @@ class DraftingSession:
             for rid, drafts, accepted in zip(request_ids, num_drafts, num_accepted):
                 if int(drafts) > 0 and rid in expected:
                     self.gate.verified(expected[rid], int(accepted))
+
+
+class SyncedTokenDrafter:
+    """A token drafter kept in step with an engine's requests: before drafting, each
+    request's copy is synced to the engine's committed tokens (TokenDrafter.sync appends
+    what is new and forgets what the engine discarded, such as a retracted request's
+    recomputation); requests the engine never reported finished (e.g. aborted) are dropped
+    past `max_live` (stale_requests; one that comes back is synced again)."""
+
+    def __init__(self, drafter, max_live: int):
+        self.drafter, self.max_live = drafter, max_live
+
+    def sync(self, requests: Sequence[tuple[Hashable, Sequence[int], Sequence[int]]]) -> None:
+        """requests: (request id, prompt ids, committed output ids) of every running request."""
+        for rid, prompt, output in requests:
+            self.drafter.sync(rid, prompt, output)
+        for rid in stale_requests(self.drafter.live, [r[0] for r in requests], self.max_live):
+            self.drafter.free(rid)
+
+    def draft(self, requests, roots: Sequence[int], **overrides) -> TreeBatch:
+        """Each request's tree [B, n] rooted at its last committed token (`roots`), after
+        sync(requests); the roots alone if the drafter raises (draft_or_roots)."""
+        self.sync(requests)
+        return draft_or_roots(self.drafter, [r[0] for r in requests], roots, **overrides)
+
+    def free(self, request_id) -> None:
+        self.drafter.free(request_id)
+
+    def clear(self) -> None:
+        """Everything the drafter keeps, across requests too (an engine's cache flush)."""
+        for rid in list(self.drafter.live):
+            self.drafter.free(rid)
+        self.drafter.clear_cache()
