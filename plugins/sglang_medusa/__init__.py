@@ -1,27 +1,14 @@
-"""SGLang adapter: Medusa heads with tree verification (entry point `sglang.srt.plugins`).
+"""SGLang adapter (entry point `sglang.srt.plugins`): `register()` runs in every SGLang
+process and applies the ACTIVE patches of patches.py (`PATCHES`, the one list of every
+SGLang name specplug hooks or registers with): tree verification for torch_native
+(tree_attention.py), the algorithms MEDUSA (worker.py), SPECPLUG_EAGLE3 (eagle_worker.py)
+and one per registered token drafter (token_worker.py), all verified by tree_worker.py;
+the refusal of structured-output requests (admission.py); opt-in oneDNN CPU linears
+(cpu_linear.py).
 
-`register()` runs in every SGLang process (SGLang's load_plugins()). On the supported
-SGLang, with every specplug module importable, it
-- installs tree verification for the torch_native attention backend (tree_attention.py),
-- registers the speculative algorithms "MEDUSA" (Medusa heads; worker.py),
-  "SPECPLUG_EAGLE3" (EAGLE-3 heads with dynamic trees; eagle_worker.py) and one per
-  registered token drafter (token_worker.py): "RETRIEVAL" (specplug's model-free
-  retrieval drafter), "DRAFT_MODEL", "SELF_SPEC" and any a plugin adds; all verified by
-  tree_worker.py (spec.py registers them),
-- refuses structured-output requests on their servers with a 400 (admission.py),
-- opt-in (SPECPLUG_SGLANG_CPU_LINEAR=onednn): fp32 CPU linears through oneDNN with packed
-  weights, in every SGLang process (cpu_linear.py).
-Each is a patch of group ACTIVE in patches.py (`PATCHES`, the one list of every SGLang
-name specplug hooks or registers with). PATCH_SITES (derived from PATCHES) lists the
-SGLang names they need; `patch_sites_found()` says which the installed SGLang has.
-
-On another SGLang version, or when one of specplug's modules fails to import (all are
-imported before any hook is registered), specplug stays out: SGLang runs as without it,
-one WARNING says why, and only the STAY_OUT patches are applied: specplug's algorithm
-names are registered as refusing stubs (plus an AROUND hook on the algorithm-alias
-resolver, which reads a Medusa head folder before any algorithm's validation): a server
-started with one of them refuses before any model loads, naming the installed and
-supported versions (or the failed import) and the fix. `ACTIVATION` records what register() decided.
+On another SGLang version, or when a specplug module fails to import, specplug stays
+out: one WARNING says why and only the STAY_OUT patches apply (specplug's algorithm names
+refuse at start-up, naming the fix). `ACTIVATION` records what register() decided.
 SGLang is imported only inside register(), so `import specplug` works without it.
 """
 
@@ -37,31 +24,17 @@ from specplug.sglang_medusa.patches import (
 logger = logging.getLogger(__name__)
 
 VERSION_FIX = "pip install 'specplug[sglang]'"
-# specplug's modules register(), its hooks and the schedulers' workers need, imported
-# before anything is hooked (the workers add ~40 ms to a process that has SGLang loaded)
-ADAPTER_MODULES = (
-    "specplug.sglang_medusa.settings",
-    "specplug.sglang_medusa.spec",
-    "specplug.sglang_medusa.spec_algo",
-    "specplug.sglang_medusa.admission",
-    "specplug.sglang_medusa.cpu_linear",
-    "specplug.sglang_medusa.tree_attention",
-    "specplug.sglang_medusa.tree_worker",
-    "specplug.sglang_medusa.worker",
-    "specplug.sglang_medusa.eagle_worker",
-    "specplug.sglang_medusa.token_worker",
-)
-# Every SGLang name the patches need (patches.py: hook targets, HookRegistry.register,
-# SpeculativeAlgorithm.register; docs/architecture.md has the names specplug reads and
-# subclasses too).
+# imported before anything is hooked: a module that fails to import keeps specplug out
+ADAPTER_MODULES = tuple(f"specplug.sglang_medusa.{name}" for name in (
+    "settings", "spec", "spec_algo", "admission", "cpu_linear", "tree_attention", "tree_worker", "worker",
+    "eagle_worker", "token_worker"))
 PATCH_SITES: tuple[str, ...] = PATCHES.sites()
 ACTIVATION: Activation = not_registered("SGLang")
 
 
 def check_sglang_version(installed: str) -> None:
-    """Raise RuntimeError unless `installed` is the SGLang the adapter was tested with: it
-    hooks SGLang internals (docs/architecture.md lists them), so another version must not
-    be patched (register() then stays out)."""
+    """Raise RuntimeError unless `installed` is the SGLang the adapter was tested with
+    (register() then stays out)."""
     if installed.split("+")[0] != SUPPORTED_SGLANG:
         raise RuntimeError(
             f"specplug's SGLang adapter supports sglang {SUPPORTED_SGLANG}, found {installed}: install it "
@@ -69,8 +42,8 @@ def check_sglang_version(installed: str) -> None:
 
 
 def patch_sites_found() -> dict[str, bool]:
-    """{PATCH_SITES name: whether the installed SGLang has it}; imports only the SGLang
-    modules named, hooks nothing."""
+    """{PATCH_SITES name (every SGLang name the patches need): whether the installed SGLang
+    has it}; hooks nothing."""
     return sites_found(PATCH_SITES)
 
 

@@ -1,28 +1,13 @@
-"""Requests specplug's SGLang algorithms (MEDUSA, RETRIEVAL, any token drafter) cannot serve are refused early.
-
-Their workers do not apply grammars (structured output) to their tree rows; such a
-request reaching a decode step would stop the scheduler and with it every request of
-the server. An AROUND hook on SGLang's TokenizerManager._validate_one_request (the
-check SGLang runs on every request before scheduling; a ValueError there becomes an
-HTTP 400) refuses it instead, and the server keeps serving everyone else.
-"""
+"""Structured-output requests, which specplug's SGLang workers cannot serve (a grammar
+reaching a decode step would stop the scheduler), refused with an HTTP 400 by an AROUND
+hook on TokenizerManager._validate_one_request, so the server keeps serving the rest."""
 
 from __future__ import annotations
 
+from specplug.common.request_rules import structured_output_key
 from specplug.sglang_medusa.patches import VALIDATE_REQUEST
 
 TARGET = VALIDATE_REQUEST  # hooked AROUND (patches.py)
-
-STRUCTURED_KEYS = ("json_schema", "regex", "ebnf", "structural_tag")
-
-
-def structured_output_key(sampling_params) -> str | None:
-    """The structured-output field a request's sampling params (dict or list of dicts) set."""
-    for params in sampling_params if isinstance(sampling_params, list) else [sampling_params]:
-        for key in STRUCTURED_KEYS:
-            if isinstance(params, dict) and params.get(key) is not None:
-                return key
-    return None
 
 
 def validate_one_request(original, manager, obj, *args, **kwargs):

@@ -1,16 +1,8 @@
-"""The one reader of SGLang 0.5.23's batch, request and target-worker fields.
-
-Every `ScheduleBatch`, `Req` and `model_runner` field the specplug workers read goes
-through these functions, so an SGLang upgrade that renames one is fixed here (the list
-is in docs/architecture.md). Two places keep their own, because each is the only user
-of what it touches: tree_worker.TreeVerifyWorker writes the verify step's inputs into
-the batch (it is the one place that turns a decode batch into a verify batch), and
-request_rules reads each request's sampling-rule fields.
-"""
+"""The one reader of SGLang 0.5.23's batch, request and target-worker fields (listed in
+docs/architecture.md), but for the verify inputs tree_worker writes into the batch and the
+sampling-rule fields request_rules reads."""
 
 from __future__ import annotations
-
-from typing import NamedTuple
 
 import torch
 
@@ -29,10 +21,6 @@ def request_ids(batch) -> list[str]:
     return [req.rid for req in batch.reqs]
 
 
-def request_id(req) -> str:
-    return req.rid
-
-
 def prompt_ids(req) -> list[int]:
     return req.origin_input_ids
 
@@ -40,6 +28,11 @@ def prompt_ids(req) -> list[int]:
 def output_ids(req) -> list[int]:
     """Committed output tokens; the last one is the next step's root."""
     return req.output_ids
+
+
+def committed_tokens(batch) -> list[tuple[str, list[int], list[int]]]:
+    """(request id, prompt ids, committed output ids) per request, in row order."""
+    return [(req.rid, req.origin_input_ids, req.output_ids) for req in batch.reqs]
 
 
 def max_live(cfg) -> int:
@@ -68,24 +61,6 @@ def extend_spans(batch) -> list[tuple[int, int]]:
 
 def is_decode(batch) -> bool:
     return batch.forward_mode.is_decode()
-
-
-class Sampling(NamedTuple):
-    """The batch's sampling parameters, one row per request (None when all greedy)."""
-
-    all_greedy: bool
-    temperatures: torch.Tensor | None  # [B]
-    top_ks: torch.Tensor | None  # [B]
-    top_ps: torch.Tensor | None  # [B]
-    min_ps: torch.Tensor | None  # [B], None when no request asks for min-p
-
-
-def sampling(batch) -> Sampling:
-    info = batch.sampling_info
-    if info.is_all_greedy:
-        return Sampling(True, None, None, None, None)
-    rows = (info.temperatures, info.top_ks, info.top_ps)
-    return Sampling(False, *(x.view(-1) for x in rows), info.min_ps.view(-1) if info.need_min_p_sampling else None)
 
 
 def committed_length(req) -> int:
@@ -130,9 +105,7 @@ def vocab_size(model_runner) -> int:
 
 
 def embedding_weight(model_runner) -> torch.Tensor:
-    """The target's input embedding [vocab', H] (vocab' >= vocab: SGLang pads it): shared,
-    never copied, on one rank; under tensor parallelism the ranks' vocabulary shards
-    gathered once into a whole copy on every rank (whole_vocab)."""
+    """The target's input embedding [vocab', H] (vocab' >= vocab: SGLang pads it), whole (whole_vocab)."""
     return whole_vocab(model_runner, "embed_tokens", model_runner.model.model.embed_tokens.weight)
 
 
@@ -142,11 +115,9 @@ def lm_head_weight(model_runner) -> torch.Tensor:
 
 
 def whole_vocab(model_runner, name: str, shard: torch.Tensor) -> torch.Tensor:
-    """`shard` itself on one tensor-parallel rank; on several, every rank's vocabulary
-    shard ([vocab' / tp, H], SGLang's vocab-parallel layout: rank r holds rows r*vocab'/tp
-    onwards) all-gathered into [vocab', H] the first time and kept on the model runner. A
-    collective: every rank calls it for the same names, in the same order (a worker's
-    start-up, or the same drafting step on every rank)."""
+    """`shard` itself on one tensor-parallel rank, never copied; on several, the ranks'
+    vocabulary shards [vocab' / tp, H] all-gathered into [vocab', H] once and kept on the
+    model runner. A collective: every rank calls it for the same names in the same order."""
     group = tp_group()
     if group is None:
         return shard

@@ -18,7 +18,7 @@ the same node budget: SPECPLUG_RETRIEVAL=1, lossless),
 (MEDUSA with adaptive speculation: `--speculative-adaptive`) and `medusa-sampled` (MEDUSA
 drafting chains from the heads' q at the run's `--temperature`, verified with q). With `--adaptive`, every
 MEDUSA method runs adaptive. Acceptance comes from SGLang's per-request meta_info
-(specplug.sglang_medusa.metrics).
+(specplug.common.metrics.AcceptanceStats.from_histograms).
 """
 
 from __future__ import annotations
@@ -29,12 +29,11 @@ import os
 import time
 
 from specplug.bench_types import RunResult
-from specplug.common.head_section import ENV_PAYOFF
+from specplug.common.head_section import ENV_DRAFT_TEMPERATURE, ENV_PAYOFF
+from specplug.common.metrics import AcceptanceStats
 from specplug.common.parallel import threads_bind
 from specplug.common.retrieval.config import ENV_RETRIEVAL
 from specplug.common.drafter_registry import ENV_DRAFTER
-from specplug.sglang_medusa.settings import DRAFT_TEMPERATURE_ENV
-from specplug.sglang_medusa.metrics import acceptance_from_meta_info
 
 NGRAM_DRAFT_TOKENS = 8
 FIXED = "-fixed"  # a specplug method with payoff control off (SPECPLUG_PAYOFF=0): every step verifies its tree
@@ -184,7 +183,7 @@ class SglangRunner:
             if not self.temperature > 0:
                 raise SystemExit(f"specplug bench: method {method!r} draws drafts at the run's temperature: "
                                  "pass --temperature > 0 (e.g. 0.7)")
-            return {ENV_RETRIEVAL: "0", DRAFT_TEMPERATURE_ENV: str(self.temperature)}
+            return {ENV_RETRIEVAL: "0", ENV_DRAFT_TEMPERATURE: str(self.temperature)}
         return {}
 
     def _engine_for(self, method: str):
@@ -221,7 +220,7 @@ class SglangRunner:
             outs += engine.generate(list(prompts[i:i + batch_size]), params)
         seconds = time.perf_counter() - start
         metas = [o["meta_info"] for o in outs]
-        stats = acceptance_from_meta_info(metas)
+        stats = AcceptanceStats.from_histograms(m.get("spec_correct_drafts_histogram") for m in metas)
         return RunResult(method=method, batch_size=batch_size, num_prompts=len(prompts),
                          output_tokens=sum(m["completion_tokens"] for m in metas), seconds=seconds,
                          num_drafts=stats.num_steps,

@@ -1,34 +1,15 @@
 """SPECPLUG_EAGLE3: EAGLE-3 and EAGLE-1 heads with EAGLE-2 dynamic trees in SGLang 0.5.23
-(whose own EAGLE and EAGLE-3 do not start on a CPU).
+(tree_worker.TreeVerifyWorker's step). Drafting is the core's, as in vLLM and the reference
+loop (drafting.eagle.EagleDrafting through drafting.runner.TorchHeadRunner; per request
+DraftingSession's choice); this worker translates SGLang's batches into `Committed` rows:
+each prefill chunk's states paired with the token after each position, each verify's
+accepted path paired with the emitted tokens (HeldRoots.committed). The states are
+SGLang's CaptureHiddenMode.FULL capture: an EAGLE-3 head's aux layers' inputs
+(capture_aux_states), an EAGLE-1 head's the target's final hidden state.
 
-The step is tree_worker.TreeVerifyWorker's; drafting is the core's, the same code the
-vLLM adapter and the reference loop run: specplug.common.drafting.eagle.EagleDrafting
-(the head's KV per request, catch-up over committed rows, roll-back, trees) through
-drafting.runner.TorchHeadRunner over specplug's own Eagle3Head / Eagle1Head module. This
-worker only translates SGLang's batches into `Committed` rows:
-
-- prefill (each chunk): the target's states of the extend tokens paired with the token
-  after each position;
-- verify: the states of the accepted path's nodes, paired with the emitted tokens; after
-  a step where payoff control drafted nothing they wait for the next step that drafts
-  (HeldRoots.committed), so a step without drafts runs no head.
-
-The states are what SGLang captures in CaptureHiddenMode.FULL: for an EAGLE-3 head the
-aux layers' inputs (`capture_aux_states`), for an EAGLE-1 head the target's final hidden
-state (after its norm, SGLang's default capture), scored by the target's own lm_head.
-
-Which request drafts how is the core's DraftingSession's decision, the same as in vLLM:
-with sampled drafts on (the head's "draft_temperature" or SPECPLUG_DRAFT_TEMPERATURE), a
-request that samples without a seed gets `budget // depth` chains drawn from
-q = softmax(draft log-probs / T) (SpecInfer), verified with q; greedy and seeded
-requests get top-k trees, merged with the token drafter's under the same node budget
-when the head's section (or SPECPLUG_RETRIEVAL / SPECPLUG_DRAFTER) names one.
-
-A request whose head state does not match SGLang's (its root token or position differs,
-e.g. right after a retraction) verifies its root alone that step; its drafts resume after
-the next catch-up. A prompt prefix SGLang's radix cache already holds is not recomputed,
-so the head's context for that request starts after it (drafts stay verified: this costs
-acceptance only).
+A request whose head state does not match SGLang's (root token or position, e.g. after a
+retraction) verifies its root alone until the next catch-up; a prefix SGLang's radix
+cache holds is not recomputed, so the head's context starts after it (acceptance only).
 """
 
 from __future__ import annotations
@@ -39,13 +20,14 @@ import torch
 from sglang.srt.arg_groups.overrides import resolving_view
 from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode
 
-from specplug.common.drafting.eagle import Committed, EagleDrafting, HeldRoots
+from specplug.common.drafting.eagle import (
+    EagleDrafting, HeldRoots, accepted_rows, held_trees, prefill_rows, serving_head,
+)
 from specplug.common.head_section import HeadSettings
-from specplug.common.quantization import head_linears
 from specplug.common.drafting.runner import TorchHeadRunner
 from specplug.common.drafting.sampled import SampledDrafts, sampled_tree
-from specplug.common.drafting.session import DraftingSession, in_batch_order
-from specplug.common.tree import DraftTree, TreeBatch, stack_trees
+from specplug.common.drafting.session import DraftingSession
+from specplug.common.tree import TreeBatch
 from specplug.sglang_medusa import batch_view as view
 from specplug.sglang_medusa.settings import eagle3_settings
 from specplug.sglang_medusa.token_worker import synced_drafter
@@ -56,10 +38,9 @@ logger = logging.getLogger(__name__)
 
 
 def capture_aux_states(model, layer_ids) -> None:
-    """Make SGLang's Llama-family `model` return the inputs of layers `layer_ids`
-    (Hugging Face's hidden_states[i], specplug's aux convention) as its captured hidden
-    states, concatenated. The one place this adapter touches SGLang's capture fields;
-    SGLang's own set_eagle3_layers_to_capture shifts ids by one (EAGLE's convention)."""
+    """Make SGLang's Llama-family `model` capture the inputs of layers `layer_ids` (Hugging
+    Face's hidden_states[i], specplug's aux convention; SGLang's own
+    set_eagle3_layers_to_capture shifts ids by one), concatenated."""
     if not hasattr(model, "capture_aux_hidden_states") or not hasattr(model.model, "layers_to_capture"):
         raise ValueError(f"{type(model).__name__} cannot capture aux hidden states in SGLang 0.5.23: "
                          "SPECPLUG_EAGLE3 needs a Llama-family target")
@@ -83,7 +64,10 @@ class Eagle3Worker(TreeVerifyWorker):
         super().__init__(server_args, target_worker, int(cfg.speculative_num_draft_tokens))
         self.head_path = str(cfg.speculative_draft_model_path)
         self.settings: HeadSettings = eagle3_settings(cfg)
-        head = self._load_head()
+        runner = self.model_runner
+        head = serving_head(self.head_path, server_args.model_path, self.device, view.target_dtype(runner),
+                            lambda: view.embedding_weight(runner), lambda: view.lm_head_weight(runner),
+                            self.settings.head_weights, "SPECPLUG_EAGLE3", logger)
         self.drafting = EagleDrafting(TorchHeadRunner(head))
         self.roots = HeldRoots(self.drafting, view.max_live(cfg))  # each request's last catch-up
         self.sampled_tree = sampled_tree(self.settings.tree)
@@ -103,29 +87,6 @@ class Eagle3Worker(TreeVerifyWorker):
                     self.num_nodes, "" if self.token_drafts is None else
                     f", merged with drafter {self.settings.drafter.name!r}")
 
-    def _load_head(self):
-        from specplug.common.formats import load_head_module
-
-        head = load_head_module(self.head_path, target_config=self.server_args.model_path,
-                                device=self.device, dtype=view.target_dtype(self.model_runner)).eval()
-        head.requires_grad_(False)  # serving: no autograd graph behind the states the head keeps
-        if getattr(head, "KIND", None) not in ("EAGLE-3", "EAGLE-1"):
-            raise ValueError(f"SPECPLUG_EAGLE3: --speculative-draft-model-path {self.head_path} holds a "
-                             f"{type(head).__name__}, not an EAGLE-3 or EAGLE-1 head: use MEDUSA for Medusa heads")
-        vocab = head.config.vocab_size
-        if not hasattr(head, "embed_tokens"):  # share the target's embedding (no copy)
-            weight = view.embedding_weight(self.model_runner)[:vocab]
-            head.set_target_embedding(torch.nn.Embedding.from_pretrained(weight, freeze=True))
-        if head.KIND == "EAGLE-1":  # scores with the target's lm_head (no copy)
-            lm_head = torch.nn.Linear(head.config.hidden_size, vocab, bias=False, device="meta")
-            lm_head.weight = torch.nn.Parameter(view.lm_head_weight(self.model_runner)[:vocab], requires_grad=False)
-            head.set_target_lm_head(lm_head)
-        if self.settings.head_weights != "float":
-            fmt = self.settings.head_weights  # an EAGLE-3 head's linears after fc
-            head_linears.use_head_weights(head.KIND, fmt, lambda: head_linears.swap_linears(
-                head, head_linears.EAGLE3_MODULES, fmt), self.head_path, "SPECPLUG_EAGLE3", logger)
-        return head
-
     def clear_cache_pool(self):
         self.roots.clear()
         self._free_token_drafts()
@@ -134,70 +95,30 @@ class Eagle3Worker(TreeVerifyWorker):
         self.roots.free([rid])
         self._free_token_drafts(rid)
 
-    # ------------------------------------------------------------------ committed rows
-
     def _prefilled(self, batch, result) -> None:
-        """Each request's extend tokens at positions prefix .. prefix + n - 1, paired with
-        the token after each (the prompt's next one; after the prompt, the sampled one)."""
+        """Each request's extend tokens paired with the token after each (drafting.eagle.prefill_rows)."""
         aux = result.logits_output.hidden_states  # [sum n, 3 * H_target]
         if aux is None:
             return
-        sampled = result.next_token_ids.tolist()
-        requests, offset = [], 0
-        for i, (req, (start, n)) in enumerate(zip(view.requests(batch), view.extend_spans(batch))):
-            known = list(view.prompt_ids(req)) + list(view.output_ids(req))
-            after = known[start + 1:start + n] + [known[start + n] if start + n < len(known) else sampled[i]]
-            requests.append(Committed(view.request_id(req), torch.tensor(after), torch.arange(start, start + n),
-                                      aux[offset:offset + n]))  # the head combines them at its catch-up
-            offset += n
-        self.roots.catch_up(requests)
+        known = [list(view.prompt_ids(req)) + list(view.output_ids(req)) for req in view.requests(batch)]
+        self.roots.catch_up(prefill_rows(view.request_ids(batch), known, view.extend_spans(batch),
+                                         result.next_token_ids.tolist(), aux))
 
     def _commit(self, batch, tree: TreeBatch, verdict, hidden: torch.Tensor) -> None:
-        """The accepted path's m nodes at positions seq_len .. seq_len + m - 1, each paired with
-        the token emitted after it (the next accepted node's, then the bonus)."""
+        """The accepted paths' rows (drafting.eagle.accepted_rows), caught up or deferred."""
         if hidden is None:  # nothing captured: the head keeps its state and these requests verify roots alone
             return
-        bs, n = tree.candidates.shape
-        emitted = verdict.output_tokens(tree.candidates.to(verdict.accepted_nodes.device))  # [B, D+1]
-        accepted = verdict.num_accepted.tolist()
-        seq_lens = view.seq_lens(batch).tolist()
-        rows = torch.cat([b * n + verdict.accepted_nodes[b, :accepted[b] + 1] for b in range(bs)])
-        accepted_states = hidden[rows.to(hidden.device)]  # [sum m + 1, Hc]
-        requests, offset = [], 0
-        for b, rid in enumerate(view.request_ids(batch)):
-            m = accepted[b] + 1
-            requests.append(Committed(rid, emitted[b, :m].cpu(), torch.arange(seq_lens[b], seq_lens[b] + m),
-                                      accepted_states[offset:offset + m]))
-            offset += m
+        rids = view.request_ids(batch)
+        requests = accepted_rows(rids, tree.candidates, verdict, view.seq_lens(batch).tolist(), hidden)
         self.roots.committed(requests, drafted=self.payoff is None or self.payoff.depth > 0)
         # SGLang reports only requests that finish in a decode step (not one that ends at
         # prefill, an early stop, an abort); a decode batch holds every running request
-        self.roots.forget_stale(view.request_ids(batch))
-
-    # ------------------------------------------------------------------ drafting
+        self.roots.forget_stale(rids)
 
     def _draft(self, batch) -> tuple[TreeBatch, dict]:
-        """One tree per request from its root, as the core's DraftingSession decides per
-        request (drawn from q, or the head's top-k tree merged with the token drafter's
-        when hybrid); [B, n] with n <= num_nodes. A request whose head state is out of
-        step with SGLang's (see the module docstring) verifies its root alone."""
+        """One tree per request from its held root (drafting.eagle.held_trees); [B, n], n <= num_nodes."""
         self.session.begin_step()
-        rids, last = view.request_ids(batch), view.last_tokens(batch)
-        roots = self.roots.in_step(rids, last, view.seq_lens(batch).tolist())
-        rows = [i for i, r in enumerate(roots) if r is not None]
-        stale = [i for i, r in enumerate(roots) if r is None]
-        parts = [(stale, stack_trees([_root_only(last[i]) for i in stale]))] if stale else []
-        if rows:
-            if self.token_drafts is not None:
-                self.token_drafts.sync(batch)
-            params = view.request_sampling(batch)
-            with torch.inference_mode():
-                parts.append((rows, self.session.trees(
-                    [roots[i] for i in rows], [rids[i] for i in rows], [params[i] for i in rows],
-                    self.settings.tree, self.sampled_tree, budget=self.settings.tree.budget)))
-        trees = parts[0][1] if len(parts) == 1 else in_batch_order(parts, len(rids))
+        trees = held_trees(self.roots, self.session, view.request_ids(batch), view.last_tokens(batch),
+                           view.seq_lens(batch).tolist(), view.request_sampling(batch), self.settings.tree,
+                           self.sampled_tree, lambda: self.token_drafts.sync(view.committed_tokens(batch)))
         return trees, batch_layout(trees)
-
-
-def _root_only(token: int) -> DraftTree:
-    return DraftTree(torch.tensor([int(token)]), torch.tensor([-1]), torch.zeros(1))  # score 0 = log 1: mergeable

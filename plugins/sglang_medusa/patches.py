@@ -1,13 +1,8 @@
 """Every SGLang name specplug hooks or registers with, declared once
-(specplug.common.patches): `PATCHES`, in the order register() applies them.
-
-All go through SGLang's own APIs: AROUND hooks through `HookRegistry.register` (SGLang
-applies them after every plugin has loaded) and algorithms through
-`SpeculativeAlgorithm.register`; they are recorded here so that the list is complete,
-each with the original it expects. The hooks live with the code they belong to
-(tree_attention.py, admission.py, cpu_linear.py, spec.py), named "module:name" and
-resolved only when applied; the stay-out refusals are below. Standard library only, like
-the adapter's __init__.py that imports it: the stay-out refusals must work when
+(specplug.common.patches): `PATCHES`, in the order register() applies them, each with the
+original it expects. AROUND hooks go through SGLang's `HookRegistry.register`, algorithms
+through `SpeculativeAlgorithm.register`; hooks are named "module:name" and resolved only
+when applied. Standard library only: the stay-out refusals below must work when
 specplug's other modules fail to import.
 """
 
@@ -41,8 +36,7 @@ def sglang_version() -> str:
 
 
 def around(target: str, hook_ref):
-    """A REGISTERED replacement: `hook_ref` (resolved when applied) registered AROUND
-    `target` with SGLang's HookRegistry; the token is (target, hook)."""
+    """A REGISTERED replacement: `hook_ref` (resolved when applied) AROUND `target`; token (target, hook)."""
 
     def register(original, *args):
         from sglang.srt.plugins.hook_registry import HookRegistry, HookType
@@ -91,9 +85,8 @@ def refusal(algorithm: str | None, reason: str) -> RuntimeError:
 
 
 def refusing_algorithms(register, reason: str) -> list[str]:
-    """Register each specplug algorithm name SGLang does not know (`register` is
-    SpeculativeAlgorithm.register) with a validation that raises the refusal; SGLang's
-    public plugin API only. Returns the names refused."""
+    """Register each specplug algorithm name SGLang does not know with a validation that
+    raises the refusal; returns the names refused."""
     from sglang.srt.speculative.spec_registry import get_spec
 
     def refuse(server_args):
@@ -112,9 +105,8 @@ def refusing_algorithms(register, reason: str) -> list[str]:
 
 
 def refusing_alias(resolve_alias_original, names: tuple[str, ...], reason: str):
-    """AROUND hook on SGLang's algorithm-alias resolver, which parses
-    --speculative-draft-model-path as a transformers config (failing for a Medusa head
-    folder) before any algorithm's validation runs: `names` refused first."""
+    """AROUND the algorithm-alias resolver (which fails on a Medusa head folder before any
+    algorithm's validation): `names` refused first."""
 
     def resolve_alias(original, speculative_algorithm, *args, **kwargs):
         if str(speculative_algorithm or "").upper() in names:
@@ -173,11 +165,11 @@ PATCHES = PatchSet("SGLang", sglang_version, [
     _hook(CPU_LINEAR[0], LINEAR_APPLY, "specplug.sglang_medusa.cpu_linear:linear_apply",
           _method(LINEAR_APPLY, "layer", "x", "bias"),
           "AROUND: fp32 CPU linears through oneDNN with packed weights", "cpu_linear.py", versions=VERSIONS,
-          when="SPECPLUG_SGLANG_CPU_LINEAR=onednn", skip="specplug.sglang_medusa.cpu_linear:not_installed_reason"),
+          when="SPECPLUG_SGLANG_CPU_LINEAR=onednn", skip="specplug.common.cpu_linear:not_installed_reason"),
     _hook(CPU_LINEAR[1], LM_HEAD, "specplug.sglang_medusa.cpu_linear:lm_head_logits",
           _method(LM_HEAD, "hidden_states", "lm_head", "embedding_bias"),
           "AROUND: the fp32 CPU LM head through oneDNN with packed weights", "cpu_linear.py", versions=VERSIONS,
-          when="SPECPLUG_SGLANG_CPU_LINEAR=onednn", skip="specplug.sglang_medusa.cpu_linear:not_installed_reason"),
+          when="SPECPLUG_SGLANG_CPU_LINEAR=onednn", skip="specplug.common.cpu_linear:not_installed_reason"),
     _hook("_resolve_speculative_algorithm_alias", ALIAS_SITE,
           "specplug.sglang_medusa.spec:skip_draft_config_for_medusa", _function(ALIAS_SITE, "speculative_algorithm"),
           "AROUND: MEDUSA and SPECPLUG_EAGLE3 are not aliased (their head folders are no transformers config)",

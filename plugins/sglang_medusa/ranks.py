@@ -8,8 +8,7 @@ from specplug.sglang_medusa.batch_view import tp_group
 
 
 def tp_ranks() -> RankGroup:
-    """The scheduler's tensor-parallel group (its CPU/gloo side: the values broadcast are
-    small host data) when this worker is one of several TP ranks; ALONE with one rank, or
-    outside an engine (SGLang's groups not initialised)."""
+    """The tensor-parallel group's CPU (gloo) side, for the small host data broadcast; ALONE
+    with one rank or outside an engine."""
     group = tp_group()
     return ALONE if group is None else engine_group(group.cpu_group)

@@ -1,13 +1,6 @@
-"""SGLang's per-request sampling rules -> specplug.common.request_rules.RequestRules
-(translation only; what they mean, per tree node along its own path, lives in the core).
-
-SGLang 0.5.23 keeps penalties as one accumulated row per request over its committed
-output (penaltylib), right for a tree's root and wrong after drafted tokens. These read
-the rules from each request instead: frequency / presence / repetition penalties over
-`req.output_ids` (committed, root included), min-new-tokens with the stop ids SGLang's
-penalizer bans, and logit bias; the core applies them with engine="sglang" (SGLang's
-order and arithmetic).
-"""
+"""SGLang's per-request sampling rules (read from each request: penalties over its
+committed output, min-new-tokens with the stop ids SGLang's penalizer bans, logit bias) ->
+specplug.common.request_rules.RequestRules, applied by the core with engine="sglang"."""
 
 from __future__ import annotations
 

@@ -1,23 +1,18 @@
 """specplug's algorithms as SGLang sees them: their names, argument checks, workers and
-the hooks on SGLang's config reading (spec_algo.py registers them with SGLang).
-
-MEDUSA's heads read the target's last hidden state; SPECPLUG_EAGLE3's head the target's
-aux states (its small KV is specplug's own, dense, outside SGLang's pools); every
-registered token drafter (specplug.common.token_drafters: "retrieval" -> RETRIEVAL, and
-any a plugin adds under the entry-point group "specplug") reads tokens only. None has a
+the hooks on SGLang's config reading (spec_algo.py registers them with SGLang). None has a
 draft model in SGLang's sense or draft KV in its pools; the tree lives only in the verify
-pass's mask.
-"""
+pass's mask."""
 
 from __future__ import annotations
 
-import json
+import importlib
 import logging
 from pathlib import Path
 
 from specplug.common import formats
-from specplug.sglang_medusa.attention_backends import check_attention_backends, server_attention_backends
-from specplug.sglang_medusa.settings import eagle3_settings, medusa_nodes, medusa_settings, token_settings
+from specplug.common.heads.medusa import faster_decoding_config
+from specplug.common.sglang_backends import check_attention_backends, server_attention_backends
+from specplug.sglang_medusa.settings import eagle3_settings, medusa_settings, token_settings
 
 try:  # SGLang is present whenever SGLang's plugin loader or a worker imports this module
     from sglang.srt.arg_groups.overrides import resolving_view
@@ -36,37 +31,11 @@ def validate_server_args(server_args) -> None:
     cfg = resolving_view(server_args)
     settings = medusa_settings(cfg, adaptive_arg=bool(getattr(server_args, "speculative_adaptive", False)))
     _check_backend(cfg)
-    _check_heads_against_target(cfg.speculative_draft_model_path, cfg.model_path)
+    if cfg.model_path and (Path(cfg.model_path) / "config.json").is_file():  # the heads against the target
+        formats.load_head(cfg.speculative_draft_model_path, target_config=cfg.model_path)
     logger.info("MEDUSA: heads %s, tree %s, %d nodes, %s verification%s", cfg.speculative_draft_model_path,
-                settings.medusa.choices or settings.tree, medusa_nodes(settings), settings.verification.method,
+                settings.medusa.choices or settings.tree, settings.medusa_nodes, settings.verification.method,
                 ", adaptive speculation (specplug)" if settings.adaptive else "")
-
-
-def _check_backend(cfg, algorithm: str = NAME) -> None:
-    if cfg.device is not None:  # auto-detected later: the worker checks the resolved device (tree_worker)
-        check_attention_backends(cfg.device, server_attention_backends(cfg), algorithm)
-    if cfg.enable_dp_attention or (cfg.pp_size or 1) > 1:
-        raise ValueError(f"{algorithm} does not support data-parallel attention or pipeline parallelism (the "
-                         "drafters read the target's hidden states and logits whole, which pipeline stages hold "
-                         "apart and attention ranks split by request): drop --enable-dp-attention / --pp-size and "
-                         "shard with --tp-size (docs/tensor_parallel.md)")
-
-
-def _check_heads_against_target(heads_path: str, model_path: str) -> None:
-    """Shapes, dtypes and vocab of the heads against the target's config.json (specplug.common.formats)."""
-    if model_path and (Path(model_path) / "config.json").is_file():
-        formats.load_head(heads_path, target_config=model_path)
-
-
-def handle_server_args(server_args) -> None:
-    """Fill the arguments MEDUSA decides: node count from the tree, synchronous schedule."""
-    cfg = resolving_view(server_args)
-    settings = medusa_settings(cfg)
-    given, nodes = cfg.speculative_num_draft_tokens, medusa_nodes(settings)
-    if given is not None and given != nodes:
-        logger.warning("MEDUSA: --speculative-num-draft-tokens %d replaced by the tree's node count %d "
-                       "(the tree cannot hold more nodes)", given, nodes)
-    _fill(server_args, cfg, nodes, settings.tree.depth, settings.tree.topk)
 
 
 def validate_eagle3_args(server_args) -> None:
@@ -82,37 +51,42 @@ def validate_eagle3_args(server_args) -> None:
     logger.info("%s: head %s, dynamic trees %s, lossless verification", EAGLE3, path, settings.tree)
 
 
-def handle_eagle3_args(server_args) -> None:
-    """Fill the arguments the tree decides: the most nodes a step verifies, synchronous schedule."""
-    cfg = resolving_view(server_args)
-    tree = eagle3_settings(cfg).tree
-    _fill(server_args, cfg, tree.budget + 1, tree.depth, tree.topk)
-
-
 def validate_token_args(server_args) -> None:
     """Reject bad token-drafter arguments before any model loads (runs in the launching process)."""
     cfg = resolving_view(server_args)
-    settings = _token_settings(cfg)
+    settings = token_settings(str(cfg.speculative_algorithm).lower(), cfg)
     _check_backend(cfg, str(cfg.speculative_algorithm))
     logger.info("%s: drafter %r %s, up to %d draft nodes, depth %d, lossless verification",
                 cfg.speculative_algorithm, settings.choice.name, dict(settings.choice.settings),
                 settings.budget, settings.max_depth)
 
 
-def handle_token_args(server_args) -> None:
-    """Fill the arguments a token drafter decides: the most nodes a tree may have, synchronous schedule."""
-    cfg = resolving_view(server_args)
-    settings = _token_settings(cfg)
-    _fill(server_args, cfg, settings.num_nodes, settings.max_depth, 1)
+def _check_backend(cfg, algorithm: str = NAME) -> None:
+    if cfg.device is not None:  # auto-detected later: the worker checks the resolved device (tree_worker)
+        check_attention_backends(cfg.device, server_attention_backends(cfg), algorithm)
+    if cfg.enable_dp_attention or (cfg.pp_size or 1) > 1:
+        raise ValueError(f"{algorithm} does not support data-parallel attention or pipeline parallelism (the "
+                         "drafters read the target's hidden states and logits whole, which pipeline stages hold "
+                         "apart and attention ranks split by request): drop --enable-dp-attention / --pp-size and "
+                         "shard with --tp-size (docs/tensor_parallel.md)")
 
 
-def _token_settings(cfg):
-    return token_settings(str(cfg.speculative_algorithm).lower(), cfg)
-
-
-def _fill(server_args, cfg, nodes: int, depth: int, topk: int) -> None:
-    """The tree arguments the algorithm decided (nodes per step, root included; depth;
+def handle_args(algorithm: str, server_args) -> None:
+    """Fill the tree arguments the algorithm decides (nodes per step, root included; depth;
     topk), then _synchronous_cpu_defaults."""
+    cfg = resolving_view(server_args)
+    if algorithm == NAME:
+        settings = medusa_settings(cfg)
+        nodes, depth, topk = settings.medusa_nodes, settings.tree.depth, settings.tree.topk
+        if cfg.speculative_num_draft_tokens not in (None, nodes):
+            logger.warning("MEDUSA: --speculative-num-draft-tokens %d replaced by the tree's node count %d "
+                           "(the tree cannot hold more nodes)", cfg.speculative_num_draft_tokens, nodes)
+    elif algorithm == EAGLE3:
+        tree = eagle3_settings(cfg).tree
+        nodes, depth, topk = tree.budget + 1, tree.depth, tree.topk
+    else:
+        settings = token_settings(str(cfg.speculative_algorithm).lower(), cfg)
+        nodes, depth, topk = settings.num_nodes, settings.max_depth, 1
     server_args.speculative_num_draft_tokens = nodes
     server_args.speculative_num_steps = depth
     server_args.speculative_eagle_topk = topk
@@ -129,22 +103,18 @@ def _synchronous_cpu_defaults(server_args, cfg) -> None:
         server_args.max_running_requests = 48
 
 
-def token_worker_factory(server_args):
-    from specplug.sglang_medusa.token_worker import TokenDrafterWorker
+def _worker(module: str, cls: str):
+    """A worker factory: SGLang calls it with the server arguments; the worker module is imported then."""
 
-    return TokenDrafterWorker
+    def factory(server_args):
+        return getattr(importlib.import_module(f"specplug.sglang_medusa.{module}"), cls)
 
-
-def worker_factory(server_args):
-    from specplug.sglang_medusa.worker import MedusaWorker
-
-    return MedusaWorker
+    return factory
 
 
-def eagle3_worker_factory(server_args):
-    from specplug.sglang_medusa.eagle_worker import Eagle3Worker
-
-    return Eagle3Worker
+worker_factory = _worker("worker", "MedusaWorker")
+eagle3_worker_factory = _worker("eagle_worker", "Eagle3Worker")
+token_worker_factory = _worker("token_worker", "TokenDrafterWorker")
 
 
 def is_specplug_algorithm(algorithm) -> bool:
@@ -152,27 +122,11 @@ def is_specplug_algorithm(algorithm) -> bool:
     return algorithm in (NAME, EAGLE3) or algorithm in TOKEN_ALGORITHMS
 
 
-def handle_args(algorithm: str, server_args) -> None:
-    """The server-argument handler of a specplug algorithm."""
-    handlers = {NAME: handle_server_args, EAGLE3: handle_eagle3_args}
-    handlers.get(algorithm, handle_token_args)(server_args)
-
-
-def _medusa_heads_config(path) -> dict | None:
-    """The config.json of a Medusa heads folder (FasterDecoding: no model_type), else None."""
-    config_file = Path(str(path)) / "config.json"
-    if not config_file.is_file():
-        return None
-    config = json.loads(config_file.read_text())
-    return config if "medusa_num_heads" in config and "model_type" not in config else None
-
-
 def config_for_medusa_heads(original, model, *args, **kwargs):
-    """AROUND hook on SGLang's get_config: SGLang reads --speculative-draft-model-path as a
-    transformers config in several places (algorithm aliases, collective defaults).
-    FasterDecoding Medusa configs have no model_type, so AutoConfig rejects them; answer
-    with a plain PretrainedConfig (architectures ["MedusaHeads"]) for exactly those folders."""
-    config = _medusa_heads_config(model)
+    """AROUND hook on SGLang's get_config, which reads --speculative-draft-model-path as a
+    transformers config: a FasterDecoding Medusa folder (no model_type, which AutoConfig
+    refuses) answers as a plain PretrainedConfig (architectures ["MedusaHeads"])."""
+    config = faster_decoding_config(model)
     if config is None:
         return original(model, *args, **kwargs)
     from transformers import PretrainedConfig
@@ -182,10 +136,9 @@ def config_for_medusa_heads(original, model, *args, **kwargs):
 
 
 def skip_draft_config_for_medusa(original, speculative_algorithm, *args, **kwargs):
-    """AROUND hook: SGLang parses --speculative-draft-model-path with transformers'
-    AutoConfig to spot Gemma-4 drafts; Medusa heads' config.json has no model_type, so
-    for MEDUSA and SPECPLUG_EAGLE3 the name is returned as is (there is nothing to alias,
-    and a missing folder then gets specplug's error naming the argument, not a Hub one)."""
+    """AROUND hook on SGLang's algorithm-alias resolver, which parses the draft path with
+    AutoConfig: MEDUSA and SPECPLUG_EAGLE3 are returned as they are (nothing to alias; a
+    missing folder then gets specplug's error naming the argument)."""
     if (speculative_algorithm or "").upper() in (NAME, EAGLE3):
         return speculative_algorithm
     return original(speculative_algorithm, *args, **kwargs)

@@ -1,8 +1,6 @@
-"""specplug's algorithms registered with SGLang: `register_medusa()`, `register_eagle3()` and
-`register_token_drafters()` (patches in patches.py, given SGLang's
-`SpeculativeAlgorithm.register`) register each with `SpecplugSpecAlgo`, which answers the
-questions SGLang 0.5.23's scheduler asks every algorithm (spec.py holds their checks and
-workers). Imports SGLang, so patches.py names these functions and imports them when it applies."""
+"""specplug's algorithms registered with SGLang (patches.py applies these functions with
+SpeculativeAlgorithm.register), each as a `SpecplugSpecAlgo`, which answers the questions
+SGLang's scheduler asks every algorithm (spec.py holds their checks and workers)."""
 
 from __future__ import annotations
 
@@ -42,8 +40,7 @@ class SpecplugSpecAlgo(CustomSpecAlgo):
 
 
 def register_medusa(register) -> list[str]:
-    """register("MEDUSA", ...), `register` being SpeculativeAlgorithm.register (patch
-    "algorithm MEDUSA" in patches.py); returns what it registered ([] when SGLang has it)."""
+    """register("MEDUSA", ...); returns what it registered ([] when SGLang has it)."""
     return _register_head_algorithm(register, spec.NAME, spec.validate_server_args, spec.worker_factory)
 
 
@@ -60,10 +57,9 @@ def _register_head_algorithm(register, name: str, validate, worker_factory) -> l
 
 
 def register_token_drafters(register) -> list[str]:
-    """register(NAME.upper(), ...) for every registered token drafter
-    (specplug.common.drafter_registry.token_drafter_names), `register` being
-    SpeculativeAlgorithm.register; a name SGLang already knows is skipped with a warning.
-    Returns the algorithms this call registered (spec.TOKEN_ALGORITHMS: all this process has)."""
+    """register(NAME.upper(), ...) for every registered token drafter; a name SGLang already
+    knows is skipped with a warning. Returns the algorithms this call registered
+    (spec.TOKEN_ALGORITHMS: all this process has)."""
     registered = []
     for name in token_drafter_names():
         algorithm = name.upper()

@@ -1,60 +1,20 @@
-"""Tree verification for SGLang's `torch_native` attention backend (TARGET_VERIFY).
+"""Tree verification for SGLang's `torch_native` attention backend, which has no
+TARGET_VERIFY path of its own: `forward_extend_tree`, AROUND
+`TorchNativeAttnBackend.forward_extend` (patches.py), handles verify batches and defers
+every other batch to the original.
 
-SGLang 0.5.23's TorchNativeAttnBackend has no TARGET_VERIFY path: its extend kernel
-ignores `spec_info.custom_mask` and needs `extend_prefix_lens`, which a verify batch
-does not carry. `forward_extend_tree` is installed AROUND
-`TorchNativeAttnBackend.forward_extend` (through SGLang's HookRegistry, in
-`register()`: patch "TorchNativeAttnBackend.forward_extend" in patches.py); it handles
-verify batches and defers every other batch to the original.
-
-A verify batch holds `n` draft-tree nodes per request, written to KV slots
-req_to_token[req, seq_len : seq_len + n]. Node i attends to the whole committed prefix
-and to the tree nodes j with custom_mask[i, j] (itself and its ancestors). The mask
-comes either tree-only (`[bs * n * n]`, what SGLang builds on CPU) or with the prefix
-columns included (`[sum(n * (seq_len + n))]`, what it builds on GPU); both are read.
+A verify batch holds `n` nodes per request in KV slots req_to_token[req, seq_len :
+seq_len + n]; node i attends to the committed prefix and to the nodes j with
+custom_mask[i, j], tree-only or prefix-included (common.sglang_trees.request_masks).
 """
 
 from __future__ import annotations
 
-import torch
-from torch.nn.functional import scaled_dot_product_attention
-
+from specplug.common.attention_masks import tree_sdpa
+from specplug.common.sglang_trees import request_masks
 from specplug.sglang_medusa import patches
 
 TARGET = patches.FORWARD_EXTEND  # hooked AROUND (patches.py)
-
-
-def request_masks(custom_mask: torch.Tensor, seq_lens: list[int], n: int) -> list[torch.Tensor]:
-    """Split a verify batch's flat custom_mask into per-request Bool [n, seq_len + n]
-    (True = may attend), accepting the tree-only and the prefix-included layouts."""
-    bs = len(seq_lens)
-    flat = custom_mask.reshape(-1).bool()
-    if flat.numel() == bs * n * n:  # tree-only: the prefix is always visible
-        trees = flat.view(bs, n, n)
-        return [torch.cat([trees.new_ones(n, s), trees[b]], dim=1) for b, s in enumerate(seq_lens)]
-    sizes = [n * (s + n) for s in seq_lens]
-    if flat.numel() < sum(sizes):
-        raise ValueError(
-            f"custom_mask has {flat.numel()} entries; expected {bs * n * n} (tree only) or "
-            f"at least {sum(sizes)} (prefix + tree) for seq_lens {seq_lens} and {n} draft "
-            "tokens per request: the speculative worker built an inconsistent verify batch")
-    return [m.view(n, s + n) for m, s in zip(flat[: sum(sizes)].split(sizes), seq_lens)]
-
-
-def tree_sdpa(query, k_cache, v_cache, token_slots, mask, scaling, enable_gqa):
-    """Attention for one request's tree nodes over prefix + tree.
-
-    query [n, heads, head_dim]; k_cache/v_cache [slots, kv_heads, head_dim];
-    token_slots Long [seq_len + n] (KV slot of every visible position); mask Bool
-    [n, seq_len + n], or None when every node sees every position. Returns [n, heads, head_dim].
-    """
-    key = k_cache[token_slots].movedim(0, 1).to(query.dtype)  # [kv_heads, L, head_dim]
-    value = v_cache[token_slots].movedim(0, 1).to(query.dtype)
-    out = scaled_dot_product_attention(
-        query.movedim(0, 1).unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0),
-        attn_mask=None if mask is None else mask.unsqueeze(0).unsqueeze(0), scale=scaling, enable_gqa=enable_gqa,
-    )  # [1, heads, n, head_dim]
-    return out.squeeze(0).movedim(1, 0)
 
 
 def forward_extend_tree(original, backend, q, k, v, layer, forward_batch, save_kv_cache=True, **kw):

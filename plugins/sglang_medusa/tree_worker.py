@@ -1,36 +1,17 @@
-"""What every specplug drafter needs from SGLang 0.5.23: tree verification in its scheduler.
+"""Tree verification in SGLang 0.5.23's scheduler: `TreeVerifyWorker`, the synchronous
+speculative worker shell; a drafter's worker (worker.py, eagle_worker.py, token_worker.py)
+supplies `_draft`, `_prefilled`, `_commit`, `note_request_finished` and `clear_cache_pool`.
 
-`TreeVerifyWorker` is the synchronous speculative worker shell; a drafter's worker
-(MEDUSA: worker.MedusaWorker, SPECPLUG_EAGLE3: eagle_worker.Eagle3Worker, RETRIEVAL and
-every token drafter: token_worker.TokenDrafterWorker) supplies only the drafting:
-`_draft` (a TreeBatch and its layout, common.sglang_trees), `_prefilled` and `_commit`
-(what the drafter keeps), `note_request_finished` / `clear_cache_pool`. One decode
-step for B requests:
-
-1. draft: the subclass's tree per request, candidates [B, n] (node 0 = the root, the
-   last committed token, whose KV is not yet in the cache), n <= num_nodes.
-2. verify: ONE TARGET_VERIFY forward of the B*n nodes at positions seq_len + depth,
-   each node attending to the prefix and its ancestors (tree mask, in the layout the
-   attention backend reads: tree-only for specplug's torch_native hook,
-   specplug.sglang_medusa.tree_attention; prefix-included for triton,
-   specplug.common.sglang_trees), logits [B*n, V].
-3. accept: each node's row processed by the request's rules along its own path
-   (penalties, min-new-tokens, logit bias: specplug.common.request_rules), then
-   specplug.common.verify_step, which chooses each request's rule (greedy; "coupled",
-   with draws fixed by the request's `sampling_seed` and position when it has one;
-   otherwise, for drafts drawn from q, block verification (chains) or rejection (trees)
-   with that q;
-   typical acceptance, LOSSY, when configured).
-4. commit: SGLang moves the accepted path's KV to the front of the verify window
-   (move_accept_tokens_to_target_kvcache) and frees the rest.
-
-SGLang reserves KV slots for `num_nodes` nodes per request every step
-(speculative_num_draft_tokens); a step with a smaller tree uses the first n of them
-and pads its outputs to width num_nodes, the stride SGLang's bookkeeping reads. With
-prefix-included masks (`prefix_masks`: the backend reads a fixed width) the trees
-themselves are padded to num_nodes nodes (tree.pad_batch), never accepted.
-Prefill (extend) batches run the plain target forward; SGLang's sampler draws their
-first token, seeded per request for requests with a sampling_seed (_seeded_first_tokens).
+A decode step for B requests: the trees, candidates [B, n] with node 0 the root (the last
+committed token, its KV not yet cached), n <= num_nodes; ONE TARGET_VERIFY forward of the
+B*n nodes at positions seq_len + depth under the tree mask (tree-only for the torch_native
+hook, prefix-included for triton: common.sglang_backends); each node's row processed by
+the request's rules along its path (common.request_rules), then common.verify_step; SGLang
+moves the accepted path's KV to the front of the verify window and frees the rest.
+SGLang reserves num_nodes KV slots per request (speculative_num_draft_tokens): a smaller
+tree uses the first n and its outputs are padded to width num_nodes; with prefix-included
+masks the trees themselves are padded (tree.pad_batch), never accepted. Prefill batches
+run the plain target forward (_seeded_first_tokens).
 """
 
 from __future__ import annotations
@@ -47,7 +28,8 @@ from specplug.common.metrics import AcceptanceStats
 from specplug.common.policy.throughput import CycleClock, PayoffControl
 from specplug.common.request_rules import apply_rules
 from specplug.common.sglang_trees import (
-    ROOT_ONLY, accepted_outputs, batch_layout, prefix_included_masks, root_only_batch, vocab_width,
+    ROOT_ONLY, accepted_outputs, batch_layout, full_width, prefill_outputs, prefix_included_masks, root_only_batch,
+    verify_q,
 )
 from specplug.common.tree import TreeBatch, pad_batch
 from specplug.common.verify_result import VerifyResult
@@ -55,9 +37,7 @@ from specplug.common.verify_step import verify_step
 from specplug.sglang_medusa import batch_view as view
 from specplug.sglang_medusa.ranks import tp_ranks
 from specplug.sglang_medusa.request_rules import rules_of
-from specplug.sglang_medusa.attention_backends import (
-    check_attention_backends, prefix_masks_needed, server_attention_backends,
-)
+from specplug.common.sglang_backends import check_attention_backends, prefix_masks_needed, server_attention_backends
 
 logger = logging.getLogger(__name__)
 
@@ -80,12 +60,10 @@ SEEDLESS_SAMPLING_BACKENDS = ("flashinfer", "intel_xpu", "ascend")
 class TreeVerifyWorker(BaseSpecWorker):
     """Built by SGLang's scheduler as `Worker(server_args=, gpu_id=, nccl_port=,
     target_worker=)`; drives the target worker, owns no model runner of its own.
-
-    Subclasses set `num_nodes` (the largest tree, root included), `method` ("rejection":
-    lossless, verify_step's rule per request; "typical": typical acceptance for sampled
-    requests), the hidden states their drafter reads
-    (`prefill_capture` / `verify_capture`, CaptureHiddenMode) and whether `_verified`
-    needs the verify pass's time (`times_verify`: on a GPU timing synchronises)."""
+    Subclasses set `num_nodes` (the largest tree, root included), `method`
+    (Verification.rule), the hidden states their drafter reads (`prefill_capture` /
+    `verify_capture`) and `times_verify` (whether `_verified` needs the verify pass's
+    time: on a GPU timing synchronises)."""
 
     prefill_capture = CaptureHiddenMode.NULL
     verify_capture = CaptureHiddenMode.NULL
@@ -93,7 +71,7 @@ class TreeVerifyWorker(BaseSpecWorker):
     typical_epsilon = sampling.TYPICAL_EPSILON
     typical_delta = sampling.TYPICAL_DELTA
     times_verify = False
-    token_drafts = None  # hybrid drafting: a head worker's token_worker.SyncedTokenDrafter, or None
+    token_drafts = None  # a drafting.session.SyncedTokenDrafter (token drafters; hybrid head workers) or None
     session: DraftingSession | None = None  # a head worker's per-request drafting (sampled drafts, hybrid)
     payoff: CycleClock | None = None  # payoff control: each step drafts the tree, or verifies the roots alone
 
@@ -118,8 +96,8 @@ class TreeVerifyWorker(BaseSpecWorker):
         return None
 
     def _check_attention(self, server_args) -> bool:
-        """Refuse an attention backend not proven to verify trees on this device (attention_backends.py);
-        True when verify steps hand the prefix-included mask (attention_backends.prefix_masks_needed)."""
+        """Refuse an attention backend not proven to verify trees on this device; True when
+        verify steps hand the prefix-included mask (common.sglang_backends)."""
         from sglang.srt.arg_groups.overrides import resolving_view
 
         backends = server_attention_backends(resolving_view(server_args))
@@ -144,15 +122,13 @@ class TreeVerifyWorker(BaseSpecWorker):
         """A verify step was accepted; hidden = `verify_capture` of every node or None."""
 
     def _verified(self, tree: TreeBatch, verdict: VerifyResult, seconds: float | None) -> None:
-        """Result of a step and the seconds of its verify forward (None unless
-        `times_verify`), for adaptive drafting."""
+        """A step's result and its verify forward's seconds (None unless `times_verify`)."""
 
     # ------------------------------------------------------------------ payoff control
 
     def _start_payoff(self, depth: int, on: bool) -> None:
-        """Payoff control over two arms, this worker's trees (`depth` deep) or the roots
-        alone, per batch size from the measured steps (specplug.common.policy.throughput),
-        when `on`: the settings' "payoff" (a head's section, SPECPLUG_PAYOFF overriding)."""
+        """Payoff control (policy.throughput) between this worker's trees (`depth` deep) and the
+        roots alone, per batch size, when `on` (the settings' "payoff")."""
         if not on:
             return
         self.payoff = CycleClock(PayoffControl.all_or_none(depth, self.ranks))
@@ -164,15 +140,6 @@ class TreeVerifyWorker(BaseSpecWorker):
         if self.payoff is not None and self.payoff.step(len(view.requests(batch))) == 0:
             return root_only_batch(torch.tensor(view.last_tokens(batch), dtype=torch.long)), ROOT_ONLY
         return self._draft(batch)
-
-    # ------------------------------------------------------------------ hybrid drafting
-
-    def _draft_q(self, batch, tree: TreeBatch):
-        """q of the step's drafts drawn from q: {row: q Float [k, V]} from the session's step
-        record, or TreeBatch.draft_probs (every row) for a worker without a session."""
-        if self.session is None:
-            return tree.draft_probs
-        return self.session.draft_q(view.request_ids(batch), tree.candidates, tree.num_nodes) or None
 
     def _free_token_drafts(self, rid: str | None = None) -> None:
         """A finished request's token-drafter copy (None: everything, SGLang's flush_cache)."""
@@ -196,32 +163,25 @@ class TreeVerifyWorker(BaseSpecWorker):
         with self._seeded_first_tokens(batch):
             result = self.target_worker.forward_batch_generation(
                 batch, pp_proxy_tensors=pp_proxy_tensors, capture_hidden_mode=self.prefill_capture)
-        bs = len(view.requests(batch))
         if self.payoff is not None:
             self.payoff.disturbed()
+        bs = len(view.requests(batch))
         if bs:
             self._prefilled(batch, result)
             result.logits_output.hidden_states = None
-        accept_tokens = torch.zeros(bs, self.num_nodes, dtype=torch.int32, device=self.device)
-        if bs:
-            accept_tokens[:, 0] = result.next_token_ids
-        accept_lens = torch.ones(bs, dtype=torch.int32, device=self.device)
+        accept_tokens, accept_lens = prefill_outputs(result.next_token_ids, bs, self.num_nodes, self.device)
         new_seq_lens = view.seq_lens(batch).clone()
         if on_publish is not None:
             on_publish(new_seq_lens)
-        return self._result(result, result.next_token_ids, accept_tokens.flatten(), accept_lens, new_seq_lens)
+        return self._result(result, result.next_token_ids, accept_tokens, accept_lens, new_seq_lens)
 
     @contextlib.contextmanager
     def _seeded_first_tokens(self, batch):
-        """SGLang's own sampler draws a prefilled request's first token, and outside its
-        deterministic-inference mode it ignores `sampling_seed` (one random stream for the
-        batch). For an extend batch with a seeded sampled request this hands the sampler
-        per-request seeds for the one forward (its seeded path: a draw fixed by the seed
-        and the position): the request's sampling_seed, a fresh draw of self.generator for
-        the others. So a seeded request's first token, like every later one (verify_step),
-        does not depend on its batch companions. Not where SGLang's seeded sampler cannot
-        serve the batch: a sampler that takes no seed (SEEDLESS_SAMPLING_BACKENDS:
-        flashinfer, SGLang's default on CUDA) or a batch with a min-p request."""
+        """For an extend batch with a seeded sampled request, SGLang's sampler gets
+        per-request seeds for the one forward (the request's sampling_seed, a fresh draw of
+        self.generator for the others), so a seeded request's first token does not depend
+        on its batch companions; not where SGLang's seeded sampler cannot serve the batch
+        (SEEDLESS_SAMPLING_BACKENDS, or a min-p request)."""
         info = batch.sampling_info
         settings = view.request_sampling(batch)
         if info is None or info.sampling_seed is not None or not any(
@@ -282,7 +242,7 @@ class TreeVerifyWorker(BaseSpecWorker):
         if on_publish is not None:
             on_publish(new_seq_lens)
         batch.forward_mode = ForwardMode.DECODE
-        accept_tokens = self._full_width(accept_tokens)
+        accept_tokens = full_width(accept_tokens, self.num_nodes)
         return self._result(result, accept_tokens.flatten(), accept_tokens.flatten(), accept_lens, new_seq_lens)
 
     def _elapsed(self, started: float) -> float:
@@ -290,15 +250,6 @@ class TreeVerifyWorker(BaseSpecWorker):
         if str(self.device).startswith("cuda"):
             torch.cuda.synchronize()
         return time.perf_counter() - started
-
-    def _full_width(self, accept_tokens: torch.Tensor) -> torch.Tensor:
-        """[B, n] -> [B, num_nodes]: SGLang reads accepted tokens with the full tree's stride."""
-        bs, n = accept_tokens.shape
-        if n == self.num_nodes:
-            return accept_tokens
-        padded = accept_tokens.new_zeros(bs, self.num_nodes)
-        padded[:, :n] = accept_tokens
-        return padded
 
     def _result(self, target_result, next_token_ids, accept_tokens, accept_lens, new_seq_lens):
         next_draft_input = NgramVerifyInput(draft_token_num=self.num_nodes, new_seq_lens=new_seq_lens,
@@ -312,10 +263,8 @@ class TreeVerifyWorker(BaseSpecWorker):
     # ------------------------------------------------------------------ verify, accept, commit
 
     def _prepare_verify(self, batch, tree: TreeBatch, layout: dict) -> None:
-        """Turn the decode batch into a TARGET_VERIFY batch over the B*n tree nodes;
-        layout tensors are one tree's ([n, n], [n]) or per request ([B, n, n], [B, n]).
-        The custom mask is tree-only ([B*n*n]) or, with `prefix_masks`, prefix-included
-        ([sum n*(seq_len + n)], common.sglang_trees)."""
+        """Turn the decode batch into a TARGET_VERIFY batch over the B*n tree nodes; layout
+        tensors are one tree's ([n, n], [n]) or per request ([B, n, n], [B, n])."""
         bs, n = tree.candidates.shape
         seq_lens = view.seq_lens(batch)
         depth = layout["depth"].to(self.device).expand(bs, n)
@@ -343,11 +292,8 @@ class TreeVerifyWorker(BaseSpecWorker):
         parents, num_nodes = tree.parents, tree.num_nodes.cpu()
         rows = torch.full((bs,), n, dtype=torch.long)  # every request owns n rows (padding: roots)
         logits = apply_rules(logits, rules_of(view.requests(batch)), tree.candidates, parents, rows)
-        q = self._draft_q(batch, tree) if self.method != "typical" else None  # sampled drafts: their q
-        if isinstance(q, dict):
-            q = {b: vocab_width(rows.to(logits.device), logits.shape[-1]) for b, rows in q.items()}
-        elif q is not None:
-            q = vocab_width(q.to(logits.device), logits.shape[-1])
+        q = None if self.method == "typical" else verify_q(  # sampled drafts: their q
+            self.session, view.request_ids(batch), tree, logits.shape[-1], logits.device)
         verdict = verify_step(
             logits.view(bs, n, -1), tree.candidates, parents, num_nodes, view.request_sampling(batch),
             draft_probs=q, generator=self.generator, typical=self.method == "typical",

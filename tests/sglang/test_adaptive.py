@@ -31,19 +31,6 @@ def adaptive(sgl_model, medusa_heads):
         yield engine
 
 
-def test_budget_family_and_flag():
-    from specplug.common.tree import TreeConfig
-    from specplug.common.head_section import HeadSettings, MedusaTree
-    from specplug.sglang_medusa.worker import budget_configs
-
-    optimal = HeadSettings(tree=TreeConfig(depth=3, topk=2, budget=7))
-    assert [c.budget for c in budget_configs(optimal)] == [1, 2, 4, 7]
-    chain = HeadSettings(tree=TreeConfig(depth=3, topk=1, budget=3))
-    assert [(c.depth, c.budget) for c in budget_configs(chain)] == [(1, 1), (2, 2), (3, 3)]
-    fixed = HeadSettings(medusa=MedusaTree(shape="choices", choices=((0,), (1,), (0, 0))))
-    assert budget_configs(fixed) == [fixed.tree]
-
-
 def test_adaptive_from_section_argument_and_env(medusa_heads, tmp_path):
     from types import SimpleNamespace
 

@@ -1,23 +1,13 @@
-"""SPECPLUG_SGLANG_CPU_LINEAR=onednn: packed oneDNN linears equal F.linear, take over only
-what they should, and a RETRIEVAL engine with them matches SGLang with them (greedy)."""
+"""SPECPLUG_SGLANG_CPU_LINEAR=onednn: the hooks take over only what they should, and a
+RETRIEVAL engine with them matches SGLang with them (greedy); packed_linear itself is tested
+in tests/common/test_cpu_linear.py."""
 
 from types import SimpleNamespace
 
-import pytest
 import torch
 
 from specplug.sglang_medusa import cpu_linear
 from tests.sglang.conftest import GREEDY, PROMPTS, assert_greedy_matches, greedy_run, sglang_engine
-
-
-@pytest.mark.parametrize("rows", [1, 2, 3, 9])
-def test_packed_linear_equals_f_linear(rows):
-    torch.manual_seed(rows)
-    layer = SimpleNamespace(weight=torch.randn(96, 64))
-    x, bias = torch.randn(2, rows, 64), torch.randn(96)
-    torch.testing.assert_close(cpu_linear.packed_linear(layer, x, bias),
-                               torch.nn.functional.linear(x, layer.weight, bias), rtol=1e-5, atol=1e-5)
-    assert cpu_linear.PACKED in vars(layer)  # packed once, reused
 
 
 def test_only_plain_fp32_cpu_calls_are_taken_over():
@@ -34,12 +24,6 @@ def test_only_plain_fp32_cpu_calls_are_taken_over():
     cpu_linear.linear_apply(original, None, amx, torch.randn(3, 4))
     cpu_linear.linear_apply(original, None, bf16, torch.randn(3, 4, dtype=torch.bfloat16))
     assert calls == [amx, bf16]
-
-
-def test_the_setting_is_checked():
-    assert not cpu_linear.enabled({}) and cpu_linear.enabled({cpu_linear.ENV: "onednn"})
-    with pytest.raises(ValueError, match="SPECPLUG_SGLANG_CPU_LINEAR must be 'onednn' or unset"):
-        cpu_linear.enabled({cpu_linear.ENV: "mkl"})
 
 
 def test_retrieval_with_onednn_linears_matches_no_speculation_with_them(sgl_model, monkeypatch):

@@ -45,11 +45,11 @@ def merged_drafter(algorithm, target, head_dir):
     from specplug.common.merge import MergedDrafter
     from specplug.common.retrieval import ReferenceDrafter
     from specplug.common.tree import TreeConfig
-    from specplug.sglang_medusa.settings import read_head_section
+    from specplug.common.head_section import read_section
 
     head = load_head_module(head_dir)
     if algorithm == "MEDUSA":
-        _, section = read_head_section(str(head_dir))
+        section = read_section(str(head_dir))
         drafter, tree = MedusaDrafter(head, head_accuracies=section["head_accuracies"]), TreeConfig(**section["tree"])
         depth = drafter.template(tree).max_depth
     else:

@@ -65,12 +65,12 @@ def test_acceptance_equals_engine_free_reference_loop(medusa, sgl_model, medusa_
     from specplug.common import reference
     from specplug.common.drafters import MedusaDrafter
     from specplug.common.formats import load_head_module
-    from specplug.sglang_medusa.settings import read_head_section
+    from specplug.common.head_section import read_section
     from specplug.common.tree import TreeConfig
-    from specplug.sglang_medusa.metrics import acceptance_from_meta_info
+    from specplug.common.metrics import AcceptanceStats
 
     target = AutoModelForCausalLM.from_pretrained(sgl_model, dtype=torch.float32).eval()
-    _, section = read_head_section(str(medusa_heads))
+    section = read_section(str(medusa_heads))
     drafter = MedusaDrafter(load_head_module(medusa_heads), head_accuracies=section["head_accuracies"])
     tree = TreeConfig.from_dict(section["tree"])
     for prompt, out in zip(PROMPTS, generate_ids(medusa, PROMPTS, GREEDY)):
@@ -79,7 +79,7 @@ def test_acceptance_equals_engine_free_reference_loop(medusa, sgl_model, medusa_
         meta = out["meta_info"]
         assert meta["spec_verify_ct"] == ref.steps
         assert meta["spec_accept_length"] == pytest.approx(len(ref.tokens) / ref.steps, abs=1e-6)
-        stats = acceptance_from_meta_info([meta])
+        stats = AcceptanceStats.from_histograms([meta["spec_correct_drafts_histogram"]])
         assert stats.num_steps == ref.steps and stats.acceptance_per_pos == pytest.approx(ref.acceptance_per_position)
 
 

@@ -1,7 +1,7 @@
 """The verify step SGLang's GPU backends get, run end to end in a CPU engine.
 
 With SPECPLUG_SGLANG_PREFIX_MASKS=1 the workers hand what they hand a GPU backend
-(attention_backends.prefix_masks_needed): every request's tree padded to speculative_num_draft_tokens
+(common.sglang_backends.prefix_masks_needed): every request's tree padded to speculative_num_draft_tokens
 nodes (tree.pad_batch) and the prefix-included mask (common.sglang_trees), which the
 torch_native hook reads too. Greedy output must equal SGLang without speculation
 (`baseline`, conftest.py) with drafts accepted: RETRIEVAL (trees of varying size, so

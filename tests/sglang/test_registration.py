@@ -7,9 +7,7 @@ import sys
 
 import pytest
 
-from specplug.sglang_medusa.settings import (
-    eagle3_settings, medusa_nodes, medusa_settings, token_settings, verify_method,
-)
+from specplug.sglang_medusa.settings import eagle3_settings, medusa_settings
 from tests.sglang.conftest import ENGINE_ARGS
 
 
@@ -43,18 +41,18 @@ def _settings(**kw):
 def test_settings_come_from_the_heads_section_then_arguments(medusa_heads, monkeypatch):
     monkeypatch.delenv("SPECPLUG_MEDUSA_TREE", raising=False)
     s = _settings(speculative_draft_model_path=str(medusa_heads))
-    assert (s.tree.depth, s.tree.topk, s.tree.budget, medusa_nodes(s)) == (3, 2, 7, 8)
-    assert s.verification.method == "lossless" and verify_method(s) == "rejection"
+    assert (s.tree.depth, s.tree.topk, s.tree.budget, s.medusa_nodes) == (3, 2, 7, 8)
+    assert s.verification.method == "lossless" and s.verification.rule == "rejection"
     assert s.medusa.head_accuracies is not None
     s = _settings(speculative_draft_model_path=str(medusa_heads), speculative_num_draft_tokens=5,
                   speculative_accept_threshold_single=0.2)
-    assert medusa_nodes(s) == 5 and verify_method(s) == "typical" and s.verification.typical_epsilon == 0.2
+    assert s.medusa_nodes == 5 and s.verification.rule == "typical" and s.verification.typical_epsilon == 0.2
     assert s.verification.typical_delta == 0.3  # the Medusa-2 default where no value is given
     monkeypatch.setenv("SPECPLUG_MEDUSA_TREE", "chain")
-    assert medusa_nodes(_settings(speculative_draft_model_path=str(medusa_heads))) == 4  # 3 heads + root
+    assert _settings(speculative_draft_model_path=str(medusa_heads)).medusa_nodes == 4  # 3 heads + root
     monkeypatch.setenv("SPECPLUG_MEDUSA_TREE", "[[0], [1], [0, 0]]")
     s = _settings(speculative_draft_model_path=str(medusa_heads))
-    assert s.medusa.choices == ((0,), (1,), (0, 0)) and medusa_nodes(s) == 4
+    assert s.medusa.choices == ((0,), (1,), (0, 0)) and s.medusa_nodes == 4
     for value, on in (("1", True), ("0", False)):  # the schema's payoff switch, as in vLLM
         monkeypatch.setenv("SPECPLUG_PAYOFF", value)
         assert _settings(speculative_draft_model_path=str(medusa_heads)).payoff is on
@@ -95,44 +93,6 @@ def test_bad_arguments_are_named(medusa_heads, kwargs, message):
     kwargs.setdefault("speculative_draft_model_path", None if not kwargs else str(medusa_heads))
     with pytest.raises(ValueError, match=message):
         _settings(**kwargs)
-
-
-def _retrieval(environ=None, name="retrieval", **kw):
-    from types import SimpleNamespace
-
-    base = dict(speculative_num_steps=None, speculative_num_draft_tokens=None)
-    return token_settings(name, SimpleNamespace(**{**base, **kw}), environ or {})
-
-
-def test_retrieval_settings_come_from_the_defaults_then_environment_then_arguments(tmp_path):
-    s = _retrieval()
-    f = s.choice.settings
-    assert (s.budget, s.num_nodes, s.max_depth, f["min_prob"], f["min_expected"]) == (8, 9, 8, 0, .5)
-    s = _retrieval({"SPECPLUG_RETRIEVAL": '{"budget": 4, "min_prob": 0.2}'})
-    assert (s.budget, s.choice.settings["min_prob"], s.choice.settings["min_expected"], s.num_nodes) == (4, 0.2, 0.5, 5)
-    s = _retrieval({"SPECPLUG_RETRIEVAL": '{"budget": 4}'}, speculative_num_draft_tokens=7, speculative_num_steps=3)
-    assert (s.budget, s.max_depth, s.choice.settings.get("datastore")) == (6, 3, None)
-    s = _retrieval({"SPECPLUG_DRAFTER": '{"prior": 2.0}'})
-    assert s.choice.settings["prior"] == 2.0
-
-
-def test_a_plugin_drafters_settings_come_from_specplug_drafter_then_arguments():
-    s = _retrieval({"SPECPLUG_DRAFTER": '{"name": "lookup", "ngram": 3}'}, name="lookup", speculative_num_steps=4)
-    assert (s.choice.name, dict(s.choice.settings)) == ("lookup", {"budget": 8, "max_depth": 4, "ngram": 3})
-
-
-@pytest.mark.parametrize("environ, kwargs, message", [
-    ({"SPECPLUG_RETRIEVAL": "0"}, {}, "RETRIEVAL has no other drafter"),
-    ({"SPECPLUG_RETRIEVAL": '{"budgte": 3}'}, {}, "unknown field"),
-    ({"SPECPLUG_RETRIEVAL": '{"datastore": "/no/such.npz"}'}, {}, "specplug datastore build"),
-    ({}, {"speculative_num_draft_tokens": 1}, "--speculative-num-draft-tokens minus one"),
-    ({}, {"speculative_num_steps": 0}, "--speculative-num-steps"),
-    ({"SPECPLUG_DRAFTER": "lookup"}, {}, "the algorithm chooses the drafter.*LOOKUP"),
-    ({"SPECPLUG_DRAFTER": '{"ngarm": 1}'}, {"name": "lookup"}, "LOOKUP: drafter 'lookup'.*ngarm"),
-])
-def test_bad_retrieval_settings_are_named(environ, kwargs, message):
-    with pytest.raises(ValueError, match=message):
-        _retrieval(environ, **kwargs)
 
 
 def _eagle3(head, environ=None, **kw):

@@ -1,14 +1,14 @@
 """SGLang's Triton verify attention reads specplug's prefix-included tree masks correctly.
 
-The proof behind `--attention-backend triton` on a GPU (attention_backends.GPU_TREE_BACKENDS): SGLang's
+The proof behind `--attention-backend triton` on a GPU (common.sglang_backends.GPU_TREE_BACKENDS): SGLang's
 own `extend_attention_fwd` (sglang.kernels.ops.attention.extend_attention), called with the
 arguments its triton backend builds for a TARGET_VERIFY pass (qo_indptr = b * n, kv_indptr /
 kv_indices over the committed prefix, mask_indptr = cumsum(n * (seq_len + n)), causal) and
 the mask specplug's builder makes from real specplug trees (common.sglang_trees.
 prefix_included_masks over tree.ancestor_mask, trees padded with tree.pad_batch), run under
 Triton's interpreter on CPU tensors (tests/support/triton_extend_attention.py, a process of
-its own), equals specplug's torch_native tree attention (tree_attention.request_masks +
-tree_sdpa) over the same paged KV cache, every row, padding rows included: chains, several
+its own), equals specplug's torch_native tree attention (common.sglang_trees.request_masks +
+common.attention_masks.tree_sdpa) over the same paged KV cache, every row, padding rows included: chains, several
 tree shapes, trees padded to the reserved node count, mixed prefix lengths, batches of 4,
 the kernel's own CPU tiles and 8 x 8 tiles (trees and prefixes spanning several tiles), and
 with the prefix columns of the mask read too. Negative control: a chain (causal) mask over
@@ -25,9 +25,9 @@ import torch
 
 from specplug.common import tree as T
 from specplug.common.dynamic_trees import dynamic
-from specplug.common.sglang_trees import mask_indptr, prefix_included_masks
+from specplug.common.attention_masks import tree_sdpa
+from specplug.common.sglang_trees import mask_indptr, prefix_included_masks, request_masks
 from specplug.common.static_trees import chain, from_choices
-from specplug.sglang_medusa.tree_attention import request_masks, tree_sdpa
 
 ROOT = Path(__file__).resolve().parents[2]
 HEADS, KV_HEADS, DIM = 4, 2, 16  # GQA like the tiny Llama
