@@ -95,6 +95,17 @@ class AcceptanceStats:
         out._add_per_pos(other.accepted_per_pos)
         return out
 
+    def __sub__(self, earlier: "AcceptanceStats") -> "AcceptanceStats":
+        """The steps since `earlier`, a snapshot of the same cumulative counters."""
+        out = AcceptanceStats(
+            self.num_steps - earlier.num_steps,
+            self.num_accepted - earlier.num_accepted,
+            self.num_draft_tokens - earlier.num_draft_tokens,
+            list(self.accepted_per_pos),
+        )
+        out._add_per_pos([-c for c in earlier.accepted_per_pos])
+        return out
+
     @property
     def tau(self) -> float:
         """Mean tokens per step (0.0 before any step)."""

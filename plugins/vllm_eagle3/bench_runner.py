@@ -44,15 +44,42 @@ import time
 from pathlib import Path
 
 from specplug.bench_types import RunResult
+from specplug.common.metrics import AcceptanceStats
 from specplug.common.parallel import threads_bind
-from specplug.vllm_eagle3.metrics import spec_decode_stats
 
+SPEC_DECODE_COUNTERS = {"vllm:spec_decode_num_drafts": "num_steps", "vllm:spec_decode_num_accepted_tokens":
+                        "num_accepted", "vllm:spec_decode_num_draft_tokens": "num_draft_tokens"}
+PER_POSITION_COUNTER = "vllm:spec_decode_num_accepted_tokens_per_pos"
 NGRAM_CONFIG = {"method": "ngram", "num_speculative_tokens": 4,
                 "prompt_lookup_max": 4, "prompt_lookup_min": 2}
 SUFFIX_CONFIG = {"method": "suffix"}  # vLLM's defaults: up to 24 tokens a step, as its tree finds them
 NO_ARCTIC = ("specplug bench: method 'suffix' needs Arctic Inference (vLLM's SuffixDecoding), which PyPI ships as "
              "source only: build it for this environment with `export PYTHONPATH=$(bash scripts/arctic_suffix.sh "
              "VENV)` (docs/benchmarks.md), or `pip install arctic-inference` where a CUDA toolkit is installed")
+
+
+def spec_decode_stats(metrics) -> AcceptanceStats:
+    """vLLM's cumulative speculation counters from `LLM.get_metrics()` (an engine started
+    with disable_log_stats=False; summed over engines and labels): subtract a snapshot
+    taken before a run. Counts every proposer's drafts, specplug's included."""
+    stats = AcceptanceStats()
+    for metric in metrics:
+        if metric.name in SPEC_DECODE_COUNTERS:
+            field = SPEC_DECODE_COUNTERS[metric.name]
+            setattr(stats, field, getattr(stats, field) + int(metric.value))
+        elif metric.name == PER_POSITION_COUNTER:
+            stats._add_per_pos([int(v) for v in metric.values])
+    return stats
+
+
+def stats_from_outputs(outputs) -> AcceptanceStats:
+    """Acceptance summed over `LLM.generate` outputs of an engine started with
+    per_request_spec_decode_metrics="summary" (vLLM's per-request histogram: h[j] = verify
+    steps that accepted j drafts); right also when several engines share a process."""
+    metrics = [c.spec_decode_metrics for o in outputs for c in o.outputs if c.spec_decode_metrics is not None]
+    stats = AcceptanceStats.from_histograms(list(m.histogram) for m in metrics)
+    stats.num_draft_tokens = sum(m.num_draft_tokens for m in metrics)
+    return stats
 
 
 def has_arctic_inference() -> bool:
@@ -391,9 +418,9 @@ class VllmRunner:
         run = spec_decode_stats(llm.get_metrics()) - before
         return RunResult(method=method, batch_size=batch_size, num_prompts=len(prompts),
                          output_tokens=sum(map(len, outputs)), seconds=seconds,
-                         num_drafts=run.num_drafts, num_draft_tokens=run.num_draft_tokens,
-                         num_accepted=run.num_accepted_tokens,
-                         accepted_per_pos=list(run.accepted_per_position), outputs=outputs)
+                         num_drafts=run.num_steps, num_draft_tokens=run.num_draft_tokens,
+                         num_accepted=run.num_accepted, accepted_per_pos=list(run.accepted_per_pos),
+                         outputs=outputs)
 
     @staticmethod
     def _forget_earlier_runs(llm) -> None:

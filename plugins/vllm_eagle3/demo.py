@@ -178,7 +178,7 @@ def _measure_one(stages: Stages, llm_args: tuple, texts: list[str], args) -> dic
 
     from vllm import SamplingParams
 
-    from specplug.vllm_eagle3.metrics import stats_from_outputs
+    from specplug.vllm_eagle3.bench_runner import stats_from_outputs
 
     llm = _engine(*llm_args)
     active = _specplug_active(llm)
@@ -189,10 +189,11 @@ def _measure_one(stages: Stages, llm_args: tuple, texts: list[str], args) -> dic
     del llm
     gc.collect()
     stats = stats_from_outputs(outputs)
-    return {"tok_per_s": tokens / seconds, "seconds": seconds, "tokens": tokens, "tau": stats.tau,
-            "acceptance_per_position": list(stats.position_acceptance), "num_drafts": stats.num_drafts,
+    return {"tok_per_s": tokens / seconds, "seconds": seconds, "tokens": tokens,
+            "tau": stats.tau if stats.num_steps else 1.0,  # no verify step: one token a step
+            "acceptance_per_position": list(stats.acceptance_per_pos), "num_drafts": stats.num_steps,
             # a prefill emits 1 token, every decode step 1 + the drafts it accepted
-            "decode_steps": max(tokens - len(texts) - stats.num_accepted_tokens, stats.num_drafts),
+            "decode_steps": max(tokens - len(texts) - stats.num_accepted, stats.num_steps),
             "specplug_active": active, "outputs": [list(o.outputs[0].token_ids) for o in outputs]}
 
 

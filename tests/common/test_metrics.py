@@ -45,3 +45,11 @@ def test_from_histograms_merges_requests():
     stats = AcceptanceStats.from_histograms([[1, 0, 1, 1], None, [], [0, 1]], draft_tokens_per_step=3)
     assert stats.num_steps == 4 and stats.num_accepted == 0 + 2 + 3 + 1
     assert stats.accepted_per_pos == [3, 2, 1] and stats.num_draft_tokens == 12
+
+
+def test_a_snapshot_subtracted_leaves_the_steps_since():
+    before = AcceptanceStats(2, 3, 6, [2, 1])
+    after = AcceptanceStats(6, 11, 18, [4, 3, 4])
+    run = after - before
+    assert run == AcceptanceStats(4, 8, 12, [2, 2, 4])
+    assert run.tau == 3.0 and run.acceptance_per_pos == [0.5, 0.5, 1.0]

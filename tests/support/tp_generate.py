@@ -71,7 +71,7 @@ def environment(values: dict):
 def generate(target: str, run: dict, tp: int, max_tokens: int, backend: str = "mp", prompts=PROMPTS) -> dict:
     from vllm import LLM
 
-    from specplug.vllm_eagle3.metrics import spec_decode_stats
+    from specplug.vllm_eagle3.bench_runner import spec_decode_stats
 
     with environment(run["env"]):
         llm = LLM(model=target, tensor_parallel_size=tp, distributed_executor_backend=backend, enforce_eager=True,
@@ -81,7 +81,7 @@ def generate(target: str, run: dict, tp: int, max_tokens: int, backend: str = "m
         stats = spec_decode_stats(llm.get_metrics())
         llm.llm_engine.engine_core.shutdown()
     return {"ids": [list(o.outputs[0].token_ids) for o in outputs], "drafts": stats.num_draft_tokens,
-            "accepted": stats.num_accepted_tokens}
+            "accepted": stats.num_accepted}
 
 
 def main() -> None:

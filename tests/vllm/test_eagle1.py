@@ -12,7 +12,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="needs the vLLM environment: bash scripts/test.sh vllm")
 
-from specplug.vllm_eagle3.metrics import stats_from_outputs  # noqa: E402
+from specplug.vllm_eagle3.bench_runner import stats_from_outputs  # noqa: E402
 from specplug.vllm_eagle3.settings import check_head_matches_target, specplug_section  # noqa: E402
 from tests.support.tiny_eagle1 import eagle1_head_dir  # noqa: E402
 from tests.support.tiny_eagle3 import AGREE_TOKEN  # noqa: E402
@@ -42,7 +42,7 @@ def test_greedy_matches_no_speculation(engine, target, specplug_log, section, nu
     spec, stats = run(llm, prompts, greedy())
     assert type(drafter_of(llm).session.drafting.runner).__name__ == "DenseEagle1Head"
     assert spec == run(engine(target), prompts, greedy())[0]
-    assert stats.num_drafts > 0 and stats.num_accepted_tokens > 0
+    assert stats.num_steps > 0 and stats.num_accepted > 0
     assert any("specplug EAGLE-1 proposer active" in m for m in specplug_log.messages)
 
 
@@ -50,7 +50,7 @@ def test_echo_head_on_the_constant_target_accepts_every_draft(engine, constant_t
     head = eagle1_head_dir(constant_target, echo=True, specplug=CHAIN)
     ids, stats = run(engine(constant_target, head, 3, method="eagle"), PROMPTS[:4], greedy(32))
     assert all(set(out) == {AGREE_TOKEN} for out in ids)
-    assert stats.position_acceptance == (1.0, 1.0, 1.0)
+    assert stats.acceptance_per_pos == [1.0, 1.0, 1.0]
 
 
 def test_head_and_method_must_agree(target, specplug_head):

@@ -17,7 +17,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="needs the vLLM environment: bash scripts/test.sh vllm")
 
-from specplug.vllm_eagle3.metrics import stats_from_outputs  # noqa: E402
+from specplug.vllm_eagle3.bench_runner import stats_from_outputs  # noqa: E402
 from tests.support.tiny_eagle3 import AGREE_TOKEN  # noqa: E402
 from tests.support.tiny_medusa import fit_prompts, vllm_medusa_heads_dir  # noqa: E402
 from tests.vllm.conftest import PROMPTS, drafter_of  # noqa: E402
@@ -57,7 +57,7 @@ def test_greedy_matches_no_speculation(engine, target, specplug_log, section, k)
     spec, outputs = run(llm, prompts, sampling())
     assert spec == run(engine(target), prompts, sampling())[0]
     stats = stats_from_outputs(outputs)
-    assert stats.num_drafts > 0 and stats.num_accepted_tokens > 0
+    assert stats.num_steps > 0 and stats.num_accepted > 0
     assert type(drafter_of(llm).drafting.heads).__name__ == "LoadedMedusaHeads"
     assert any("specplug Medusa proposer active" in m for m in specplug_log.messages)
 
@@ -107,7 +107,7 @@ def test_sampled_tokens_keep_the_target_distribution(engine, constant_target):
     prompts = [PROMPTS[s % 8] for s in range(NUM_REQUESTS)]
     spec, outputs = run(llm, prompts, params)
     plain = run(engine(constant_target), prompts, params)[0]
-    assert stats_from_outputs(outputs).num_accepted_tokens > 100
+    assert stats_from_outputs(outputs).num_accepted > 100
     assert _same_distribution(_bins(spec), _bins(plain))
     always_accepted = [[AGREE_TOKEN] * NUM_TOKENS for _ in range(NUM_REQUESTS)]  # negative control
     assert not _same_distribution(_bins(always_accepted), _bins(plain))

@@ -37,7 +37,7 @@ def test_greedy_output_equals_no_speculation_whatever_depths_run(engine, target,
     # over the engine's life (batch 1, then 4) it timed plain steps and drafting ones; at
     # batch 4 it may run plain steps only (a depth that lost at batch 1 is not explored)
     assert control is not None and len(control.choice_counts) >= 2
-    assert control.cost(batch, 0) is not None and (batch > 1 or stats.num_drafts > 0)
+    assert control.cost(batch, 0) is not None and (batch > 1 or stats.num_steps > 0)
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +63,7 @@ def test_trees_or_none_keep_greedy_output(engine, target, payoff_tree_engines, m
     control = drafter_of(llm).policy.payoff.control
     assert control.arms == (0, control.max_depth)
     assert set(control.choice_counts) == {0, control.max_depth}  # plain steps and trees (batch 1 first)
-    assert batch > 1 or stats.num_drafts > 0
+    assert batch > 1 or stats.num_steps > 0
 
 
 def test_payoff_false_or_the_environment_turns_it_off(target, monkeypatch):

@@ -10,7 +10,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="needs the vLLM environment: bash scripts/test.sh vllm")
 
-from specplug.vllm_eagle3.metrics import stats_from_outputs
+from specplug.vllm_eagle3.bench_runner import stats_from_outputs
 from tests.vllm.conftest import NUM_SPEC_TOKENS, PROMPTS, SPECPLUG_CHAIN as SPECPLUG_CHAIN_SECTION, drafter_of
 from tests.support.tiny_eagle3 import AGREE_TOKEN, CONSTANT_TARGET_LOGITS, tiny_head_dir
 
@@ -28,7 +28,7 @@ def token_ids(outputs):
 
 
 def run(llm, prompts, sampling):
-    """(token ids per prompt, SpecDecodeStats of this run)."""
+    """(token ids per prompt, AcceptanceStats of this run)."""
     outputs = llm.generate(prompts, sampling, use_tqdm=False)
     return token_ids(outputs), stats_from_outputs(outputs)
 
@@ -38,7 +38,7 @@ def test_greedy_matches_no_speculation(engine, target, specplug_head, batch):
     prompts = PROMPTS[:batch] if batch > 1 else [PROMPTS[2]]
     sampling = params(max_tokens=24, temperature=0.0)
     spec, stats = run(engine(target, specplug_head), prompts, sampling)
-    assert stats.num_drafts > 0
+    assert stats.num_steps > 0
     assert spec == token_ids(engine(target).generate(prompts, sampling, use_tqdm=False))
 
 
@@ -87,8 +87,8 @@ def test_two_layer_head_drafts_what_vllm_builtin_drafts_and_stays_exact(engine, 
 def test_agreeing_draft_is_accepted_at_every_position(engine, constant_target, agreeing_head):
     out, stats = run(engine(constant_target, agreeing_head), PROMPTS[:4], params(max_tokens=17, temperature=0.0))
     assert all(ids == [AGREE_TOKEN] * 17 for ids in out)
-    assert stats.num_drafts > 0
-    assert stats.accepted_per_position == (stats.num_drafts,) * NUM_SPEC_TOKENS
+    assert stats.num_steps > 0
+    assert stats.accepted_per_pos == [stats.num_steps] * NUM_SPEC_TOKENS
     assert stats.tau == NUM_SPEC_TOKENS + 1
 
 
@@ -136,7 +136,7 @@ def test_sampled_tokens_keep_the_target_distribution(engine, constant_target, ag
     prompts = [PROMPTS[s % 8] for s in range(NUM_REQUESTS)]
     spec, stats = run(engine(constant_target, agreeing_head), prompts, sampling)
     plain = token_ids(engine(constant_target).generate(prompts, sampling, use_tqdm=False))
-    assert 0.2 < stats.acceptance_rate < 0.9  # drafts are tested, and sometimes rejected
+    assert 0.2 < stats.draft_acceptance_rate < 0.9  # drafts are tested, and sometimes rejected
     assert _same_distribution(_bins(spec), _bins(plain))
     always_accepted = [[AGREE_TOKEN] * NUM_TOKENS for _ in range(NUM_REQUESTS)]  # negative control
     assert not _same_distribution(_bins(always_accepted), _bins(plain))
@@ -175,7 +175,7 @@ def test_drafts_drawn_from_q_are_verified_with_q_and_keep_the_distribution(engin
     assert _same_distribution(_bins(spec), _bins(plain))
     p = _bins(plain)
     p_two = [p[list(CONSTANT_TARGET_LOGITS).index(t)] / sum(p) for t in TWO_DRAFT_TOKENS]
-    first = stats.accepted_per_position[0] / stats.num_drafts  # q-rule: sum min(p, q); target-only: sum q p <= max p
+    first = stats.accepted_per_pos[0] / stats.num_steps  # q-rule: sum min(p, q); target-only: sum q p <= max p
     assert first > max(p_two) + 0.1
     assert greedy == [[AGREE_TOKEN] * 8]
 
@@ -183,7 +183,7 @@ def test_drafts_drawn_from_q_are_verified_with_q_and_keep_the_distribution(engin
 def test_penalties_are_verified_by_specplug_and_stay_exact(engine, target, specplug_head):
     sampling = params(max_tokens=24, temperature=0.0, repetition_penalty=1.3)
     spec, stats = run(engine(target, specplug_head), PROMPTS[:4], sampling)
-    assert stats.num_drafts > 0
+    assert stats.num_steps > 0
     assert spec == token_ids(engine(target).generate(PROMPTS[:4], sampling, use_tqdm=False))
 
 
@@ -200,7 +200,7 @@ def test_chunked_prefill_keeps_head_in_sync(engine, target, chain_head, plain_he
     chunked = dict(max_num_batched_tokens=64, max_num_seqs=4)
     ours, stats, ours_drafts = _recorded_drafts(engine(target, chain_head, **chunked), [long_prompt], sampling)
     builtin, _, builtin_drafts = _recorded_drafts(engine(target, plain_head), [long_prompt], sampling)
-    assert stats.num_drafts > 0
+    assert stats.num_steps > 0
     assert ours == builtin == token_ids(engine(target, **chunked).generate([long_prompt], sampling, use_tqdm=False))
     decode_steps = max_tokens - 1  # every draft is rejected by the random head: one token per step
     assert ours_drafts[-decode_steps:] == builtin_drafts[-decode_steps:]

@@ -55,7 +55,7 @@ def test_greedy_matches_no_speculation(engine, target, tree_engine, batch):
     prompts = PROMPTS[:batch] if batch > 1 else [PROMPTS[2]]
     sampling = params(max_tokens=24, temperature=0.0)
     spec, stats = run(tree_engine, prompts, sampling)
-    assert stats.num_drafts > 0 and stats.num_draft_tokens == stats.num_drafts * BUDGET
+    assert stats.num_steps > 0 and stats.num_draft_tokens == stats.num_steps * BUDGET
     assert spec == token_ids(engine(target).generate(prompts, sampling, use_tqdm=False))
 
 
@@ -96,8 +96,8 @@ def test_agreeing_draft_is_accepted_at_every_position(engine, constant_target):
                      params(max_tokens=17, temperature=0.0))
     depth = TREE["depth"]
     assert all(ids == [AGREE_TOKEN] * 17 for ids in out)
-    assert stats.num_drafts > 0
-    assert stats.accepted_per_position[:depth] == (stats.num_drafts,) * depth
+    assert stats.num_steps > 0
+    assert stats.accepted_per_pos[:depth] == [stats.num_steps] * depth
     assert stats.tau == depth + 1
 
 
@@ -148,8 +148,8 @@ def test_oracle_tree_accepts_the_second_branch_at_every_position(oracle_engine):
     llm, prompts, sampling, plain = oracle_engine
     spec, stats = run(llm, prompts, sampling)
     assert spec == plain
-    assert stats.num_drafts == len(prompts) * 6
-    assert stats.accepted_per_position == (stats.num_drafts,) * 3 + (0,) * (BUDGET - 3)
+    assert stats.num_steps == len(prompts) * 6
+    assert stats.accepted_per_pos == [stats.num_steps] * 3  # no step accepts a 4th node
     assert stats.tau == 4.0
 
 

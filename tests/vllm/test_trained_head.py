@@ -21,7 +21,7 @@ pytest.importorskip("vllm", reason="needs the vLLM environment: bash scripts/tes
 
 from specplug.common.tree import TreeConfig
 from specplug.vllm_eagle3.demo import find_head
-from specplug.vllm_eagle3.metrics import stats_from_outputs
+from specplug.vllm_eagle3.bench_runner import stats_from_outputs
 from tests.vllm.conftest import drafter_of
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
