@@ -14,7 +14,9 @@ SGLang is imported only inside register(), so `import specplug` works without it
 
 import logging
 
-from specplug.common.activation import Activation, decide, not_registered, sites_found, stay_out_reason
+from specplug.common.activation import (
+    Activation, decide, not_registered, sites_found, stay_out_reason, version_check,
+)
 from specplug.common.patches import ACTIVE
 from specplug.sglang_medusa.patches import (
     CPU_LINEAR, FORWARD_EXTEND, PATCHES, REFUSED_ALGORITHMS, REFUSED_ALIAS, REGISTER_SITE,
@@ -30,15 +32,7 @@ ADAPTER_MODULES = tuple(f"specplug.sglang_medusa.{name}" for name in (
     "eagle_worker", "token_worker"))
 PATCH_SITES: tuple[str, ...] = PATCHES.sites()
 ACTIVATION: Activation = not_registered("SGLang")
-
-
-def check_sglang_version(installed: str) -> None:
-    """Raise RuntimeError unless `installed` is the SGLang the adapter was tested with
-    (register() then stays out)."""
-    if installed.split("+")[0] != SUPPORTED_SGLANG:
-        raise RuntimeError(
-            f"specplug's SGLang adapter supports sglang {SUPPORTED_SGLANG}, found {installed}: install it "
-            f"({VERSION_FIX})")
+check_sglang_version = version_check("SGLang", (SUPPORTED_SGLANG,), VERSION_FIX)
 
 
 def patch_sites_found() -> dict[str, bool]:

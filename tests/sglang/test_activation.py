@@ -22,7 +22,7 @@ BLOCKED = "specplug.sglang_medusa.tree_attention"
 CASES = {"unsupported-version": {SGLANG_VERSION: UNSUPPORTED}, "import-failure": {BLOCK_IMPORT: BLOCKED}}
 # what the refusal and the log line must name, per case
 NAMED = {
-    "unsupported-version": [f"found {UNSUPPORTED}", "supports sglang 0.5.23", "pip install 'specplug[sglang]'"],
+    "unsupported-version": [f"found {UNSUPPORTED}", "supports SGLang 0.5.23", "pip install 'specplug[sglang]'"],
     "import-failure": [f"import {BLOCKED} failed", "ImportError", "reinstall specplug"],
 }
 STAYS_OUT = "specplug stays out of this SGLang process"

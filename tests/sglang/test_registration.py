@@ -183,5 +183,5 @@ def test_another_sglang_version_is_refused_by_name():
     from specplug.sglang_medusa import check_sglang_version
 
     check_sglang_version("0.5.23")
-    with pytest.raises(RuntimeError, match="supports sglang 0.5.23, found 0.5.24: install it"):
+    with pytest.raises(RuntimeError, match="supports SGLang 0.5.23, found 0.5.24: install a supported version"):
         check_sglang_version("0.5.24")
