@@ -25,7 +25,8 @@ import torch
 from specplug.common import sampling
 from specplug.common.drafting.session import DraftingSession
 from specplug.common.metrics import AcceptanceStats
-from specplug.common.policy.throughput import CycleClock, PayoffControl
+from specplug.common.policy.step_policy import payoff_clock
+from specplug.common.policy.throughput import CycleClock
 from specplug.common.request_rules import apply_rules
 from specplug.common.sglang_trees import (
     ROOT_ONLY, accepted_outputs, batch_layout, full_width, prefill_outputs, prefix_included_masks, root_only_batch,
@@ -129,11 +130,8 @@ class TreeVerifyWorker(BaseSpecWorker):
     def _start_payoff(self, depth: int, on: bool) -> None:
         """Payoff control (policy.throughput) between this worker's trees (`depth` deep) and the
         roots alone, per batch size, when `on` (the settings' "payoff")."""
-        if not on:
-            return
-        self.payoff = CycleClock(PayoffControl.all_or_none(depth, self.ranks))
-        logger.info("specplug payoff control on: each decode step verifies the drafted trees or the roots alone, "
-                    "whichever has delivered more tokens per second at its batch size (SPECPLUG_PAYOFF=0 turns it off)")
+        if on:
+            self.payoff = payoff_clock(depth, self.ranks, all_or_none=True, drafts="drafted trees")
 
     def _planned_draft(self, batch) -> tuple[TreeBatch, dict]:
         """The step's trees: the drafter's, or the roots alone where payoff control runs a plain step."""

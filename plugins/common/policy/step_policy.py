@@ -23,12 +23,12 @@ PAYOFF_OFF = "\"payoff\": false or SPECPLUG_PAYOFF=0 turns it off"
 
 
 def payoff_clock(k: int, ranks: RankGroup = ALONE, *, all_or_none: bool, drafts: str = "drafts") -> CycleClock:
-    """Payoff control over `k` draft tokens, logged once: each step drafts the depth 0..k
-    with the most tokens per second measured at its batch size, or with `all_or_none`
-    either all k `drafts` (a tree, a head's fixed drafts) or none."""
+    """Payoff control over depth `k`, logged once: each step drafts the depth 0..k with the
+    most tokens per second measured at its batch size, or with `all_or_none` either its
+    `drafts` (a tree, a head's fixed drafts: arm k) or none (arm 0)."""
     if all_or_none:
-        logger.info("specplug payoff control on: each step verifies the %s (%d tokens) or none, whichever has "
-                    "delivered more tokens per second at its batch size (%s)", drafts, k, PAYOFF_OFF)
+        logger.info("specplug payoff control on: each step verifies the %s or none, whichever has delivered "
+                    "more tokens per second at its batch size (%s)", drafts, PAYOFF_OFF)
         return CycleClock(PayoffControl.all_or_none(k, ranks))
     logger.info("specplug payoff control on: each step drafts the depth (0..%d) that has delivered the most tokens "
                 "per second at its batch size in this engine (%s)", k, PAYOFF_OFF)
