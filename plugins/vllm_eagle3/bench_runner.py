@@ -62,14 +62,13 @@ def spec_decode_stats(metrics) -> AcceptanceStats:
     """vLLM's cumulative speculation counters from `LLM.get_metrics()` (an engine started
     with disable_log_stats=False; summed over engines and labels): subtract a snapshot
     taken before a run. Counts every proposer's drafts, specplug's included."""
-    stats = AcceptanceStats()
+    counts, per_position = dict.fromkeys(SPEC_DECODE_COUNTERS.values(), 0), AcceptanceStats()
     for metric in metrics:
         if metric.name in SPEC_DECODE_COUNTERS:
-            field = SPEC_DECODE_COUNTERS[metric.name]
-            setattr(stats, field, getattr(stats, field) + int(metric.value))
-        elif metric.name == PER_POSITION_COUNTER:
-            stats._add_per_pos([int(v) for v in metric.values])
-    return stats
+            counts[SPEC_DECODE_COUNTERS[metric.name]] += int(metric.value)
+        elif metric.name == PER_POSITION_COUNTER:  # `+` adds lists of unequal length
+            per_position += AcceptanceStats(accepted_per_pos=[int(v) for v in metric.values])
+    return AcceptanceStats(**counts) + per_position
 
 
 def stats_from_outputs(outputs) -> AcceptanceStats:

@@ -123,11 +123,8 @@ class SpecplugEagleProposer(EagleProposer):
                 target_token_ids, target_positions, target_hidden_states)
         try:
             with torch.inference_mode():
-                drafts = self._propose_chains(
-                    num_speculative_tokens, target_token_ids, target_positions,
-                    target_hidden_states, next_token_ids, common_attn_metadata,
-                    num_rejected_tokens_gpu,
-                )
+                drafts = self._propose_chains(target_token_ids, target_positions, target_hidden_states,
+                                              next_token_ids, common_attn_metadata, num_rejected_tokens_gpu)
         finally:
             self.policy.end()
         self.steps += 1
@@ -135,12 +132,12 @@ class SpecplugEagleProposer(EagleProposer):
         return drafts
 
     # -- specplug path ------------------------------------------------------------
-    def _propose_chains(self, depth, token_ids, positions, aux_hidden, next_token_ids,
-                        attn_metadata, num_rejected):
-        """Returns the best tree path per request, [batch, depth] (int); in adaptive mode
-        [batch, chosen depth], 0 columns = no speculation for this step (vLLM's scheduler
-        takes each request's list of drafts as is and verifies exactly that many); in
-        stage "tree" every kept tree node, [batch, budget]. With the draft gate on, a list
+    def _propose_chains(self, token_ids, positions, aux_hidden, next_token_ids, attn_metadata, num_rejected):
+        """Returns the best tree path per request, [batch, depth] (int), depth this step's
+        StepPolicy.depth (num_speculative_tokens without adaptive or payoff control; 0
+        columns = no speculation: vLLM's scheduler takes each request's list of drafts as
+        is and verifies exactly that many); in stage "tree" every kept tree node, [batch,
+        budget]. With the draft gate on, a list
         of `batch` lists: a request's chain, or none where it would not pay (_gated)."""
         batch = attn_metadata.num_reqs
         self.session.forget(self.state.live)
