@@ -232,6 +232,26 @@ class HeadSettings:
         return len(choices) + 1 if choices is not None else self.tree.static_nodes + 1
 
 
+# a feature an engine path may lack -> (whether HeadSettings turn it on, the variable that sets it)
+FEATURES = {
+    "adaptive": (lambda s: s.adaptive, ENV_ADAPTIVE),
+    "gate": (lambda s: s.gate, ENV_GATE),
+    "draft_temperature": (lambda s: s.draft_temperature is not None, ENV_DRAFT_TEMPERATURE),
+    "drafter": (lambda s: s.drafter is not None, f"{ENV_DRAFTER} / {ENV_RETRIEVAL}"),
+}
+
+
+def refuse_unsupported(settings: HeadSettings, path: str, unsupported, fix: str) -> None:
+    """ValueError for the first FEATURES key in `unsupported` that `settings` turn on, which
+    `path` (e.g. 'vLLM stage "tree"') does not run: it names the key and its variable to
+    drop, then `fix` (where the feature does run)."""
+    for key in unsupported:
+        on, env = FEATURES[key]
+        if on(settings):
+            raise ValueError(f"specplug {path} does not support {key!r}: drop it from the head's specplug section "
+                             f"(or unset {env}), or {fix}")
+
+
 @dataclass(frozen=True)
 class ParsedSection:
     """parse()'s answer: the effective settings and each value's source, by field name

@@ -25,7 +25,7 @@ from specplug.common.drafting.eagle import (
 )
 from specplug.common.head_section import HeadSettings
 from specplug.common.drafting.runner import TorchHeadRunner
-from specplug.common.drafting.sampled import SampledDrafts, sampled_tree
+from specplug.common.drafting.sampled import sampled_tree
 from specplug.common.drafting.session import DraftingSession
 from specplug.common.tree import TreeBatch
 from specplug.sglang_medusa import batch_view as view
@@ -73,9 +73,9 @@ class Eagle3Worker(TreeVerifyWorker):
         self.sampled_tree = sampled_tree(self.settings.tree)
         if self.settings.drafter is not None:
             self.token_drafts = synced_drafter(self.settings.drafter, cfg, self.model_runner)
-        self.session = DraftingSession(
-            self.drafting, token_drafter=None if self.token_drafts is None else self.token_drafts.drafter,
-            sampled=SampledDrafts(self.settings.draft_temperature))
+        self.session = DraftingSession.for_settings(
+            self.settings, self.drafting, chains=False,
+            token_drafter=None if self.token_drafts is None else self.token_drafts.drafter)
         self._start_payoff(self.settings.tree.depth, self.settings.payoff)
         feature = "the target's final hidden state"
         if head.KIND == "EAGLE-3":

@@ -8,7 +8,7 @@ import os
 from pathlib import Path
 
 from specplug.common.drafter_registry import TokenDrafterSettings, token_drafter_settings
-from specplug.common.head_section import Argument, HeadSettings, parse, read_section
+from specplug.common.head_section import Argument, HeadSettings, parse, read_section, refuse_unsupported
 from specplug.common.heads.medusa import medusa_head_count
 
 # schema field -> (SGLang's argument, its attribute); SGLang's node count includes the root
@@ -20,6 +20,7 @@ TYPICAL_ARGUMENTS = {"verification.typical_epsilon": ("--speculative-accept-thre
                                                       "speculative_accept_threshold_single"),
                      "verification.typical_delta": ("--speculative-accept-threshold-acc",
                                                     "speculative_accept_threshold_acc")}
+GATE_FIX = "serve an EAGLE head in vLLM (stage \"chain\"), where the draft gate runs"
 TOKEN_ARGUMENTS = {"budget": TREE_ARGUMENTS["tree.budget"], "max_depth": TREE_ARGUMENTS["tree.depth"]}
 
 
@@ -50,16 +51,21 @@ def medusa_settings(cfg, adaptive_arg: bool = False, environ=None) -> HeadSettin
     given = {**arguments(cfg, TREE_ARGUMENTS), **arguments(cfg, TYPICAL_ARGUMENTS, off=1.0)}
     if adaptive_arg:
         given["adaptive"] = Argument("--speculative-adaptive", True)
-    return parse(read_section(path), os.environ if environ is None else environ, method="medusa", arguments=given,
-                 num_heads=medusa_head_count(path), label="MEDUSA").settings
+    settings = parse(read_section(path), os.environ if environ is None else environ, method="medusa",
+                     arguments=given, num_heads=medusa_head_count(path), label="MEDUSA").settings
+    refuse_unsupported(settings, "MEDUSA in SGLang", ("gate",), GATE_FIX)
+    return settings
 
 
 def eagle3_settings(cfg, environ=None) -> HeadSettings:
     """An EAGLE-3 or EAGLE-1 head's section with SGLang's tree arguments applied."""
     path = _head_dir(cfg, "SPECPLUG_EAGLE3", "an EAGLE-3 head directory (config.json + safetensors)",
                      "train one with `specplug train eagle3` or convert one with `specplug convert`")
-    return parse(read_section(path), os.environ if environ is None else environ,
-                 arguments=arguments(cfg, TREE_ARGUMENTS), label="SPECPLUG_EAGLE3").settings
+    settings = parse(read_section(path), os.environ if environ is None else environ,
+                     arguments=arguments(cfg, TREE_ARGUMENTS), label="SPECPLUG_EAGLE3").settings
+    refuse_unsupported(settings, "SPECPLUG_EAGLE3 in SGLang", ("adaptive", "gate"),
+                       "serve the head in vLLM (stage \"chain\"); here payoff control chooses the tree or none")
+    return settings
 
 
 def token_settings(name: str, cfg, environ=None) -> TokenDrafterSettings:

@@ -208,14 +208,8 @@ def use_quantized_weights(model, state, fmt: str = "int8", target_model=None) ->
         weights = head_linears.eagle3_weights(state, fmt, dtype, norm.device)
     except ValueError as exc:  # e.g. a checkpoint without its own lm_head, or widths the format cannot take
         return str(exc)
-    for role, module in modules.items():
-        reason = head_linears.mismatch(f"vLLM's {role}", weights[role],
-                                       lambda x, m=module: m.quant_method.apply(m, x), dtype)
-        if reason is not None:
-            return reason
-    for role, module in modules.items():
-        PATCHES.on(patches[role], module, weights[role])
-    return None
+    return head_linears.swap_checked({role: lambda x, m=m: m.quant_method.apply(m, x) for role, m in modules.items()},
+                                     weights, dtype, lambda role, w: PATCHES.on(patches[role], modules[role], w))
 
 
 def quantized_method(replaced, weight) -> _QuantMethod:

@@ -27,7 +27,7 @@ from specplug.common.heads.medusa import medusa_head_count
 from specplug.vllm_eagle3.medusa_settings import medusa_drafter, medusa_settings
 from specplug.vllm_eagle3.ranks import tp_ranks
 from specplug.vllm_eagle3.runner_state import RunnerState
-from specplug.vllm_eagle3.sampler import SpecplugChainSampler, needs_chain
+from specplug.vllm_eagle3.sampler import SpecplugChainSampler
 from specplug.common.head_section import HeadSettings
 from specplug.vllm_eagle3.settings import check_head_matches_target, specplug_section
 
@@ -48,9 +48,9 @@ class SpecplugMedusaProposer(MedusaProposer):
         if section is None:
             return
         check_head_matches_target(draft.model, vllm_config.model_config.hf_text_config, "medusa")
-        self.specplug = medusa_settings(section)
         self.num_heads = medusa_head_count(draft.model)
-        self.drafting = medusa_drafter(section, self.num_heads)
+        self.specplug = medusa_settings(section, self.num_heads)
+        self.drafting = medusa_drafter(self.specplug, self.num_heads)
         self.tree = self._tree_config(self.num_speculative_tokens)
         logger.info("specplug Medusa proposer active for heads %s: %d heads, stage %s, %d draft tokens",
                     draft.model, self.num_heads, self.specplug.stage, self.num_speculative_tokens)
@@ -65,7 +65,7 @@ class SpecplugMedusaProposer(MedusaProposer):
                                  f"{k} exceeds the {self.num_heads} heads; set \"num_speculative_tokens\": "
                                  f"{self.num_heads} or fewer")
             return TreeConfig(depth=k, topk=1, budget=k)
-        nodes = self.drafting.template(self.specplug.tree).num_nodes - 1
+        nodes = self.specplug.medusa_nodes - 1
         if k != nodes:
             raise ValueError(f"specplug Medusa stage \"tree\" verifies its {nodes} tree nodes as vLLM draft tokens, "
                              f"but num_speculative_tokens is {k}: set \"num_speculative_tokens\": {nodes}")
@@ -117,19 +117,11 @@ class SpecplugMedusaProposer(MedusaProposer):
             return self._tree_drafts(trees, self.state.request_ids(batch), logits, roots)
 
     def _tree_drafts(self, trees, req_ids, logits, roots) -> torch.Tensor:
-        """Every tree node as a draft token, Long [B, K], topology recorded for the verifier;
-        requests that need a chain get the top-1 chain of the same logits [heads, B, V]
-        padded to K, recorded as nothing."""
-        drafts = trees.candidates[:, 1:].clone()
-        chained = [b for b, r in enumerate(req_ids) if needs_chain(self.state.sampling_params(r))]
-        if chained:
-            chains = self.drafting.fill(logits[:, chained], roots[chained],
-                                        TreeConfig(depth=self.num_heads, topk=1, budget=self.num_heads))
-            drafts[chained] = pad_chains(chains, drafts.shape[1])
-        for b, req_id in enumerate(req_ids):
-            if b not in chained:
-                self.tree_verifier.record(req_id, trees.candidates[b], trees.parents[b])
-        return drafts
+        """Every tree node as a draft token, Long [B, K] (TreeVerifier.hand_over); requests
+        that need a chain get the top-1 chain of the same logits [heads, B, V], padded to K."""
+        top1 = TreeConfig(depth=self.num_heads, topk=1, budget=self.num_heads)
+        return self.tree_verifier.hand_over(trees, req_ids, lambda rows: pad_chains(
+            self.drafting.fill(logits[:, rows], roots[rows], top1), trees.candidates.shape[1] - 1))
 
 
 def attaching_init(init):

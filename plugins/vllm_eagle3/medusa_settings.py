@@ -12,9 +12,8 @@ from typing import Mapping
 import torch
 
 from specplug.common.drafters import MedusaDrafter
-from specplug.common.head_section import read_section
+from specplug.common.head_section import HeadSettings, read_section, refuse_unsupported
 from specplug.common.heads.medusa import medusa_head_count
-from specplug.common.head_section import HeadSettings
 from specplug.vllm_eagle3.settings import adapter_settings
 
 
@@ -37,29 +36,22 @@ class LoadedMedusaHeads:
 def medusa_settings(section: dict, num_heads: int | None = None,
                     environ: Mapping[str, str] = os.environ) -> HeadSettings:
     """HeadSettings of a Medusa head's section (its tree within `num_heads` heads when
-    given); ValueError for what Medusa heads in vLLM do not offer (adaptive, hybrid
-    drafting, sampled drafts), naming the key to drop."""
+    given); ValueError for what Medusa heads in vLLM do not offer (adaptive, the gate,
+    hybrid drafting, sampled drafts), naming the key to drop."""
     settings = adapter_settings(section, environ, method="medusa", num_heads=num_heads)
-    unsupported = {"adaptive": settings.adaptive, "drafter / retrieval": settings.drafter is not None,
-                   "draft_temperature": settings.draft_temperature is not None}
-    for key, on in unsupported.items():
-        if on:
-            raise ValueError(f"specplug Medusa heads in vLLM do not support {key!r} (stages \"chain\" and "
-                             f"\"tree\" only): drop it from the head's specplug section (or its SPECPLUG_* "
-                             "variable), or serve the heads in SGLang (--speculative-algorithm MEDUSA)")
+    refuse_unsupported(settings, "Medusa heads in vLLM", ("adaptive", "gate", "drafter", "draft_temperature"),
+                       "serve the heads in SGLang (--speculative-algorithm MEDUSA)")
     return settings
 
 
-def medusa_drafter(section: dict, num_heads: int) -> MedusaDrafter:
-    """The core's drafter for a head's section (its tree's shape and head_accuracies), its
-    heads to be bound to vLLM's module."""
-    medusa = medusa_settings(section, num_heads).medusa
-    return MedusaDrafter(LoadedMedusaHeads(num_heads), choices=medusa.choices, head_accuracies=medusa.head_accuracies)
+def medusa_drafter(settings: HeadSettings, num_heads: int) -> MedusaDrafter:
+    """The core's drafter for the heads' settings (its tree's shape and head_accuracies),
+    its heads to be bound to vLLM's module."""
+    return MedusaDrafter(LoadedMedusaHeads(num_heads), choices=settings.medusa.choices,
+                         head_accuracies=settings.medusa.head_accuracies)
 
 
 def tree_nodes(head_dir: str) -> int:
-    """The Medusa tree's non-root nodes for this head's section: vLLM's
-    num_speculative_tokens in stage "tree"."""
-    section, num_heads = read_section(head_dir), medusa_head_count(head_dir)
-    drafter = medusa_drafter(section, num_heads)
-    return drafter.template(medusa_settings(section, num_heads).tree).num_nodes - 1
+    """The Medusa tree's non-root nodes for this head's section (HeadSettings.medusa_nodes):
+    vLLM's num_speculative_tokens in stage "tree"."""
+    return medusa_settings(read_section(head_dir), medusa_head_count(head_dir)).medusa_nodes - 1

@@ -6,7 +6,7 @@ Drafting is the core's (DraftingSession over EagleDrafting), each step's depth t
 StepPolicy; this module translates vLLM's batch into `Committed` rows and the drafts back
 into vLLM's draft tokens: in stage "chain" each request's best tree path, verified by
 specplug's sampler (sampler.py); in stage "tree" every kept node, verified in one target
-pass (tree_verify.py), with a chain for requests that need one (sampler.needs_chain).
+pass (tree_verify.py), with a chain for requests that need one (tree_verify.needs_chain).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from vllm.v1.spec_decode.eagle import EagleProposer
 from specplug.vllm_eagle3.ranks import tp_ranks
 from specplug.vllm_eagle3.dense_head import DenseEagle1Head, DenseEagle3Head, use_quantized_weights
 from specplug.vllm_eagle3.runner_state import RunnerState
-from specplug.vllm_eagle3.sampler import SpecplugChainSampler, needs_chain
+from specplug.vllm_eagle3.sampler import SpecplugChainSampler
 from specplug.common.head_section import HeadSettings
 from specplug.vllm_eagle3.settings import (
     adapter_settings,
@@ -31,12 +31,9 @@ from specplug.vllm_eagle3.settings import (
 from specplug.common import drafter_registry, memory
 from specplug.common.drafting.eagle import Committed, EagleDrafting
 from specplug.common.drafting.engine_layers import EngineTarget
-from specplug.common.drafting.sampled import SampledDrafts
 from specplug.common.drafting.session import DraftingSession
 from specplug.common.path_choice import best_chains
 from specplug.common.quantization import head_linears
-from specplug.common.policy.calibration import HybridScale
-from specplug.common.policy.draft_gate import DraftGate
 from specplug.common.policy.step_policy import StepPolicy
 from specplug.common.tree import TreeConfig
 
@@ -67,16 +64,12 @@ class SpecplugEagleProposer(EagleProposer):
         token_drafter = None  # hybrid drafting: the section's token drafter, or None
         if self.specplug.drafter is not None:
             token_drafter = drafter_registry.build(self.specplug.drafter, vllm_config.model_config.get_vocab_size())
-        scale = None  # hybrid drafting on measured acceptance (stage chain): a HybridScale
-        if token_drafter is not None and self.specplug.calibrate and self.specplug.stage == "chain":
-            scale = HybridScale(["head", "tokens"])
-        gate = DraftGate(ranks=self.ranks) if self.specplug.gate else None
+        # the head's EagleDrafting joins the session on the loaded head at the first step
+        self.session = DraftingSession.for_settings(self.specplug, token_drafter=token_drafter, ranks=self.ranks,
+                                                    chains=self.specplug.stage == "chain")
         self.policy = StepPolicy(self.num_speculative_tokens, adaptive=self.specplug.adaptive,
                                  payoff=self.specplug.payoff, all_or_none=self.specplug.stage == "tree",
-                                 gate=gate, ranks=self.ranks, drafts="tree")
-        # the head's EagleDrafting joins the session on the loaded head at the first step
-        self.session = DraftingSession(None, token_drafter=token_drafter, scale=scale, gate=gate,
-                                       sampled=SampledDrafts(self.specplug.draft_temperature))
+                                 gate=self.session.gate, ranks=self.ranks, drafts="tree")
         memory.from_environment()  # opt-in: SPECPLUG_MALLOC_TRIM_S, SPECPLUG_MEMORY_LOG_S (docs/reliability.md)
         self._log_active()
 
@@ -184,20 +177,13 @@ class SpecplugEagleProposer(EagleProposer):
         return out.to(next_token_ids.device)
 
     def _draft_trees(self, roots, req_ids):
-        """Stage "tree": every kept node of each root's tree, Long [len(roots), N - 1], its
-        topology recorded for the verifier; requests that need a chain (needs_chain) get
-        their best path padded to N - 1 instead, recorded as nothing (= a chain)."""
+        """Stage "tree": every kept node of each root's tree, Long [len(roots), N - 1]
+        (TreeVerifier.hand_over); requests that need a chain get its best path."""
         config = self.specplug.tree
         trees = self.session.drafting.trees(roots, TreeConfig(config.depth, config.topk, config.budget))
         trees = self.session.merged(trees, req_ids, None, budget=config.budget)
-        drafts = trees.candidates[:, 1:].clone()  # [B, N - 1]
-        chained = torch.tensor([needs_chain(self.state.sampling_params(r)) for r in req_ids])
-        if chained.any():
-            drafts[chained] = best_chains(trees, drafts.shape[1])[chained]
-        for b, req_id in enumerate(req_ids):
-            if not chained[b]:
-                self.tree_verifier.record(req_id, trees.candidates[b], trees.parents[b])
-        return drafts
+        width = trees.candidates.shape[1] - 1
+        return self.tree_verifier.hand_over(trees, req_ids, lambda rows: best_chains(trees, width)[rows])
 
     def _verified(self, req_ids, num_draft_tokens, num_accepted):
         """The sampler's verify result, [B] drafts scheduled and accepted per batch row."""

@@ -29,13 +29,6 @@ from specplug.vllm_eagle3.request_rules import logit_bias_of, min_p_of, rules_of
 logger = logging.getLogger(__name__)
 
 
-def needs_chain(params) -> bool:
-    """Stage "tree": whether a request (vllm.SamplingParams, or None for a pooling or
-    unknown request) must be drafted as a chain: vLLM applies its grammar bitmask to
-    the rows of a chain of drafts. Every other rule specplug applies per tree node."""
-    return params is None or params.structured_outputs is not None
-
-
 def _values(t: torch.Tensor | None, batch: int, default) -> list:
     """A per-request setting of vLLM's SamplingMetadata as a list [B] (None: `default` each)."""
     return [default] * batch if t is None else t[:batch].tolist()

@@ -10,7 +10,7 @@ import functools
 import os
 from typing import Any, Mapping
 
-from specplug.common.head_section import ENV_ADAPTIVE, ENV_DRAFT_TEMPERATURE, ENV_GATE, ENV_TREE, HeadSettings, parse
+from specplug.common.head_section import ENV_TREE, HeadSettings, parse, refuse_unsupported
 from specplug.common.parallel import shard_error
 
 # vLLM's speculative method -> the method a specplug head's section names
@@ -56,26 +56,18 @@ def adapter_settings(section: Mapping[str, Any], environ: Mapping[str, str] = os
 
 
 def check_vllm(settings: HeadSettings) -> None:
-    """ValueError for what vLLM runs in stage "chain" only: sampled drafts and the gate."""
-    if settings.draft_temperature is not None and settings.stage != "chain":
-        raise ValueError(f"specplug \"draft_temperature\" (sampled drafts) needs stage \"chain\", the head says "
-                         f"stage {settings.stage!r}: drop \"draft_temperature\" (or unset {ENV_DRAFT_TEMPERATURE}), "
-                         f"or use stage \"chain\"")
-    if settings.gate and settings.stage != "chain":
-        raise ValueError(f"specplug \"gate\" needs stage \"chain\", the head says stage {settings.stage!r}: "
-                         f"drop \"gate\" (or set {ENV_GATE}=0), or use stage \"chain\"")
+    """ValueError for what vLLM runs in stage "chain" only: sampled drafts, the gate and
+    adaptive depth."""
+    if settings.stage != "chain":
+        refuse_unsupported(settings, f"stage {settings.stage!r} in vLLM", ("draft_temperature", "gate", "adaptive"),
+                           "use stage \"chain\"")
 
 
 def check_num_speculative_tokens(settings: HeadSettings, num_speculative_tokens: int) -> None:
     """Stage "tree" hands vLLM every kept tree node as a draft token, so vLLM must
-    reserve exactly tree.budget draft slots per request; raise ValueError otherwise.
-    Adaptive speculation drafts chains of chosen depth: not combined with stage "tree"."""
+    reserve exactly tree.budget draft slots per request; raise ValueError otherwise."""
     if settings.stage != "tree":
         return
-    if settings.adaptive:
-        raise ValueError("specplug stage \"tree\" cannot be combined with \"adaptive\": true "
-                         f"(adaptive speculation chooses chain depths); unset {ENV_ADAPTIVE} "
-                         "or set \"adaptive\": false, or use stage \"chain\"")
     budget = settings.tree.budget
     if num_speculative_tokens != budget:
         raise ValueError(

@@ -15,15 +15,23 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
 from specplug.common.paged_tree_attention import TreeRows, compaction_moves, scheduled_parents, tree_rows
-from specplug.common.tree import is_chain, tree_depths
+from specplug.common.tree import TreeBatch, is_chain, tree_depths
 from specplug.vllm_eagle3 import paged_kv
 from specplug.vllm_eagle3.runner_state import RunnerState
 
 logger = logging.getLogger(__name__)
+
+
+def needs_chain(params) -> bool:
+    """Whether a request (vllm.SamplingParams, or None for a pooling or unknown request)
+    must be drafted as a chain: vLLM applies its grammar bitmask to the rows of a chain
+    of drafts. Every other rule specplug applies per tree node."""
+    return params is None or params.structured_outputs is not None
 
 
 @dataclass
@@ -54,6 +62,19 @@ class TreeVerifier:
     def record(self, req_id: str, tokens: torch.Tensor, parents: torch.Tensor) -> None:
         """The tree handed to vLLM for req_id: tokens / parents Long [N + 1], root first."""
         self._drafted[req_id] = (tokens, parents)
+
+    def hand_over(self, trees: TreeBatch, req_ids, chains: Callable[[list[int]], torch.Tensor]) -> torch.Tensor:
+        """Every node of each request's tree as vLLM draft tokens, Long [B, N - 1], its
+        topology recorded; the batch rows whose request needs a chain (needs_chain) get
+        chains(rows) [len(rows), N - 1] instead, recorded as nothing (= a chain)."""
+        drafts = trees.candidates[:, 1:].clone()
+        chained = [b for b, r in enumerate(req_ids) if needs_chain(self.state.sampling_params(r))]
+        if chained:
+            drafts[chained] = chains(chained).to(drafts.dtype)
+        for b, req_id in enumerate(req_ids):
+            if b not in chained:
+                self.record(req_id, trees.candidates[b], trees.parents[b])
+        return drafts
 
     # -- step plan -----------------------------------------------------------------------
     def _plan(self, spec_metadata) -> None:

@@ -305,6 +305,32 @@ def test_verification_rule_and_medusa_nodes():
     assert HeadSettings().medusa_nodes == TreeConfig().static_nodes + 1
 
 
+@pytest.mark.parametrize("section", [{}, {"tree": {"depth": 9}}, {"tree": {"topk": 1, "depth": 9}},
+                                     {"tree": {"topk": 3, "depth": 2, "budget": 64}},
+                                     {"medusa": {"shape": "choices", "choices": [[0], [1], [0, 0]]}}])
+def test_medusa_nodes_is_the_drafters_tree(section):
+    """HeadSettings.medusa_nodes (what both engines reserve) is the node count of the tree
+    MedusaDrafter builds, the depth cut to the heads, for every tree shape."""
+    from types import SimpleNamespace
+
+    from specplug.common.drafters import MedusaDrafter
+
+    settings = parse(section, {}, method="medusa", num_heads=3).settings
+    heads = SimpleNamespace(num_heads=3, eval=lambda: heads)
+    drafter = MedusaDrafter(heads, choices=settings.medusa.choices)
+    assert settings.medusa_nodes == drafter.template(settings.tree).num_nodes
+
+
+def test_refuse_unsupported_names_the_key_its_variable_and_the_fix():
+    settings = parse({"gate": True}, {"SPECPLUG_DRAFTER": "retrieval"}).settings
+    hs.refuse_unsupported(settings, "path P", ("adaptive", "draft_temperature"), "fix F")  # neither is on
+    with pytest.raises(ValueError, match="^specplug path P does not support 'gate': drop it from the head's specplug "
+                                         r"section \(or unset SPECPLUG_GATE\), or fix F$"):
+        hs.refuse_unsupported(settings, "path P", ("adaptive", "gate", "drafter"), "fix F")
+    with pytest.raises(ValueError, match="'drafter'.*SPECPLUG_DRAFTER / SPECPLUG_RETRIEVAL"):
+        hs.refuse_unsupported(settings, "path P", ("drafter", "gate"), "fix F")
+
+
 def test_medusa_head_count_reads_either_key(tmp_path):
     from specplug.common.heads.medusa import faster_decoding_config, medusa_head_count
 

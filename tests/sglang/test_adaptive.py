@@ -45,6 +45,8 @@ def test_adaptive_from_section_argument_and_env(medusa_heads, tmp_path):
     # one precedence for every field (specplug.common.head_section): the argument over the environment
     assert medusa_settings(cfg, adaptive_arg=True, environ={"SPECPLUG_ADAPTIVE": "0"}).adaptive
     assert not medusa_settings(cfg, environ={"SPECPLUG_ADAPTIVE": "0"}).adaptive
+    with pytest.raises(ValueError, match="MEDUSA in SGLang does not support 'gate'.*SPECPLUG_GATE"):
+        medusa_settings(cfg, environ={"SPECPLUG_GATE": "1"})
     heads = tmp_path / "heads"
     heads.mkdir()
     for f in medusa_heads.iterdir():

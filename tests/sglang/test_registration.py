@@ -137,6 +137,8 @@ def test_sampled_trees_fit_the_node_budget():
     ({"SPECPLUG_DRAFT_TEMPERATURE": "-1"}, {}, "SPECPLUG_DRAFT_TEMPERATURE must be a temperature > 0"),
     ({"SPECPLUG_DRAFT_TEMPERATURE": "warm"}, {}, "SPECPLUG_DRAFT_TEMPERATURE"),
     ({"SPECPLUG_RETRIEVAL": '{"ngarm": 3}'}, {}, "SPECPLUG_EAGLE3: .*ngarm"),
+    ({"SPECPLUG_ADAPTIVE": "1"}, {}, "SPECPLUG_EAGLE3 in SGLang does not support 'adaptive'.*unset SPECPLUG_ADAPTIVE"),
+    ({"SPECPLUG_GATE": "1"}, {}, "SPECPLUG_EAGLE3 in SGLang does not support 'gate'.*serve the head in vLLM"),
 ])
 def test_bad_eagle3_settings_are_named(eagle3_head, environ, kwargs, message):
     with pytest.raises(ValueError, match=message):

@@ -107,7 +107,7 @@ def test_draft_temperature_setting():
     assert adapter_settings({"draft_temperature": 0.7}, {"SPECPLUG_DRAFT_TEMPERATURE": "0"}).draft_temperature is None
     with pytest.raises(ValueError, match="SPECPLUG_DRAFT_TEMPERATURE must be a temperature > 0"):
         adapter_settings({}, {"SPECPLUG_DRAFT_TEMPERATURE": "-1"})
-    with pytest.raises(ValueError, match="needs stage \"chain\""):
+    with pytest.raises(ValueError, match="stage 'tree' in vLLM does not support 'draft_temperature'"):
         adapter_settings({"stage": "tree", "draft_temperature": 0.7})
 
 
@@ -203,8 +203,10 @@ def test_gate_flag():
     assert not adapter_settings({}).gate
     assert adapter_settings({"gate": True}).gate
     assert not adapter_settings({"gate": True}, {"SPECPLUG_GATE": "0"}).gate
-    with pytest.raises(ValueError, match="needs stage \"chain\""):
+    with pytest.raises(ValueError, match="stage 'tree' in vLLM does not support 'gate'.*SPECPLUG_GATE"):
         adapter_settings({"stage": "tree", "gate": True})
+    with pytest.raises(ValueError, match="stage 'tree' in vLLM does not support 'adaptive'.*SPECPLUG_ADAPTIVE"):
+        adapter_settings({"stage": "tree", "adaptive": True})
 
 
 def test_steps_without_drafts_leave_the_token_drafter_to_catch_up_when_drafting_resumes(engine, target,

@@ -138,8 +138,8 @@ def test_settings_refuse_what_medusa_in_vllm_does_not_offer():
     from specplug.vllm_eagle3.medusa_settings import medusa_settings
 
     assert medusa_settings(TREE).stage == "tree"
-    for extra in ({"adaptive": True}, {"draft_temperature": 0.7}, {"retrieval": True}):
-        with pytest.raises(ValueError, match="do not support"):
+    for extra in ({"adaptive": True}, {"gate": True}, {"draft_temperature": 0.7}, {"retrieval": True}):
+        with pytest.raises(ValueError, match="Medusa heads in vLLM does not support"):
             medusa_settings({**CHAIN, **extra})
 
 

@@ -19,7 +19,7 @@ from collections.abc import Callable, Mapping, Sequence
 import torch
 
 from specplug.common.drafters import MedusaDrafter, prior_accuracies
-from specplug.common.drafting.sampled import SampledDrafts, sampled_tree
+from specplug.common.drafting.sampled import sampled_tree
 from specplug.common.drafting.session import DraftingSession, in_batch_order
 from specplug.common.head_section import HeadSettings
 from specplug.common.parallel import ALONE, RankGroup
@@ -51,8 +51,7 @@ class MedusaDrafting:
                 f"{num_nodes}: leave --speculative-num-draft-tokens unset or give the tree's node count")
         self.sampled_tree = sampled_tree(TreeConfig(min(settings.tree.depth, drafter.heads.num_heads),
                                                     settings.tree.topk, num_nodes - 1))
-        self.session = DraftingSession(None, token_drafter=token_drafter,
-                                       sampled=SampledDrafts(settings.draft_temperature))
+        self.session = DraftingSession.for_settings(settings, token_drafter=token_drafter, chains=False)
         self.templates: dict = {settings.tree: self.template}
         self.adaptive: AdaptiveController | None = None
         self._budgets: dict = {}  # SpecOption -> TreeConfig

@@ -32,9 +32,12 @@ from typing import Callable, Hashable, Sequence
 import torch
 
 from ..merge import merge_trees
+from ..parallel import ALONE, RankGroup
 from ..path_choice import best_chain_paths, best_merged_chains, full_budget, lengthen_chains
 from ..token_drafters import draft_or_roots, sync_tokens
 from ..tree import DraftTree, TreeBatch, TreeConfig, stack_trees
+from ..policy.calibration import HybridScale
+from ..policy.draft_gate import DraftGate
 from .sampled import SampledDrafts
 
 GREEDY_BELOW = 1e-5  # a temperature below this samples greedily (vLLM's and SGLang's rule)
@@ -112,6 +115,18 @@ class DraftingSession:
         self.sampled = sampled or SampledDrafts(None)
         self.record = StepRecord()
         self.drafted_alone = 0  # steps drafted by the token drafter alone
+
+    @classmethod
+    def for_settings(cls, settings, drafting=None, *, token_drafter=None, chains: bool,
+                     ranks: RankGroup = ALONE) -> "DraftingSession":
+        """A session as a head's HeadSettings ask, for an engine that verifies `chains`
+        (else trees): drafts drawn from q at "draft_temperature"; for chains, the draft
+        gate where "gate" is on and the calibrated merge (HybridScale) for a hybrid drafter
+        with "calibrate" (trees take the trie merge); `ranks` decide the gate as one."""
+        scale = HybridScale(["head", "tokens"]) if chains and token_drafter is not None and settings.calibrate else None
+        gate = DraftGate(ranks=ranks) if chains and settings.gate else None
+        return cls(drafting, token_drafter=token_drafter, scale=scale, gate=gate,
+                   sampled=SampledDrafts(settings.draft_temperature))
 
     # ------------------------------------------------------------------ per-request state
 

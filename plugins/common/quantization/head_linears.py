@@ -1,8 +1,9 @@
 """Which linears of an EAGLE-3 head run with quantized weights, and the swap.
 
-`swap_linears` replaces a module's nn.Linear layers with QuantLinear copies in int8 or
-int4 (specplug.common.quantization.int8 / int4), each first checked against its layer
-(`mismatch`); where one fails or the format cannot run here, nothing changes.
+`swap_checked` installs quantized weights in an engine's layers, each first checked
+against its layer (`mismatch`); where one fails, nothing changes. `swap_linears` does it
+for a module's nn.Linear layers with QuantLinear copies in int8 or int4
+(specplug.common.quantization.int8 / int4).
 """
 
 from __future__ import annotations
@@ -133,23 +134,36 @@ def use_head_weights(kind: str, fmt: str, swap: Callable[[], str | None], head: 
         logger.warning("%s: \"head_weights\" is %s but the head runs as loaded: %s", who, fmt, reason)
 
 
+def swap_checked(layers: Mapping[str, Callable[[torch.Tensor], torch.Tensor]], weights: Mapping, dtype: torch.dtype,
+                 install: Callable[[str, object], None]) -> str | None:
+    """All or nothing: each quantized weight (by name) checked against the layer it replaces
+    (`mismatch`); only when every one passes, install(name, weight) for each. Returns None
+    when swapped, else why not (nothing changed)."""
+    for name, layer in layers.items():
+        reason = mismatch(name, weights[name], layer, dtype)
+        if reason is not None:
+            return reason
+    for name, weight in weights.items():
+        install(name, weight)
+    return None
+
+
 def swap_linears(module: nn.Module, names: Iterable[str], fmt: str = "int8") -> str | None:
     """Replace `module`'s nn.Linear submodules `names` with QuantLinear copies in format
-    `fmt`, each first checked against its linear (`mismatch`); where one fails or the
-    format cannot run, nothing changes. Returns None when swapped, else why not."""
+    `fmt` (swap_checked: each checked first, all or nothing). Returns None when swapped,
+    else why not."""
     linears = {name: module.get_submodule(name) for name in names}
     weight = next(iter(linears.values())).weight
     shapes = [tuple(linear.weight.shape) for linear in linears.values()]
     reason = format_reason(fmt, weight.dtype, weight.device, shapes)
     if reason is not None:
         return reason
-    swapped = {name: QuantLinear(quantizer(fmt)(linear.weight), linear.bias) for name, linear in linears.items()}
-    for name, linear in linears.items():
-        reason = mismatch(name, swapped[name].quantized, lambda x, w=linear.weight: nn.functional.linear(x, w),
-                          weight.dtype)  # the weights alone: QuantLinear adds the same bias after
-        if reason is not None:
-            return reason
-    for name, linear in swapped.items():
+
+    def install(name: str, quantized) -> None:
         parent, _, child = name.rpartition(".")
-        setattr(module.get_submodule(parent), child, linear)
-    return None
+        setattr(module.get_submodule(parent), child, QuantLinear(quantized, linears[name].bias))
+
+    floats = {name: lambda x, w=linear.weight: nn.functional.linear(x, w)  # no bias: QuantLinear adds the same
+              for name, linear in linears.items()}
+    return swap_checked(floats, {name: quantizer(fmt)(linear.weight) for name, linear in linears.items()},
+                        weight.dtype, install)
