@@ -89,13 +89,9 @@ def check_head_matches_target(head_dir: str, target_config: Any, vllm_method: st
     from specplug.common import formats
 
     head = formats.load_head(head_dir, target_config, weights=weights)
-    expected = HEAD_METHOD[vllm_method]
-    if head.method != expected:
-        kind = {"eagle3": "EAGLE-3", "eagle1": "EAGLE-1", "medusa": "Medusa"}.get(head.method, head.method)
-        method = VLLM_METHOD.get(head.method)
-        raise ValueError(f"{head_dir} holds {kind} heads ({head.format} format), but vLLM was asked for method "
-                         f"{vllm_method!r}: " + (f"pass \"method\": \"{method}\" in --speculative-config" if method
-                                                  else "serve them in SGLang (--speculative-algorithm MEDUSA)"))
+    if head.method != HEAD_METHOD[vllm_method]:  # formats' methods are HEAD_METHOD's values
+        raise ValueError(f"{head_dir} holds {head.method} heads ({head.format} format), but vLLM was asked for method "
+                         f"{vllm_method!r}: pass \"method\": \"{VLLM_METHOD[head.method]}\" in --speculative-config")
     if head.method == "eagle1" and "fc.bias" in head.state_dict:
         raise ValueError(f"{head_dir}: the EAGLE-1 head has an fc bias (fc.bias), which vLLM 0.32's EAGLE-1 model "
                          "cannot load: serve it in SGLang with --speculative-algorithm SPECPLUG_EAGLE3, or use "

@@ -57,7 +57,7 @@ def test_head_and_method_must_agree(target, specplug_head):
     eagle1 = eagle1_head_dir(target, specplug=CHAIN)
     with pytest.raises(ValueError, match="asked for method 'eagle3'.*\"method\": \"eagle\""):
         specplug_section({"specplug": CHAIN}, "eagle3")
-    with pytest.raises(ValueError, match="holds EAGLE-3 heads.*\"method\": \"eagle3\""):
+    with pytest.raises(ValueError, match="holds eagle3 heads.*\"method\": \"eagle3\""):
         check_head_matches_target(str(specplug_head), str(target), "eagle")
     check_head_matches_target(str(eagle1), str(target), "eagle")
 
