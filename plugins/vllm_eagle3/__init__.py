@@ -29,6 +29,7 @@ ADAPTER_MODULES = (
     "specplug.vllm_eagle3.engine_fixes",
     "specplug.vllm_eagle3.runner_state",
     "specplug.vllm_eagle3.dense_head",
+    "specplug.vllm_eagle3.quantized_layers",
     "specplug.common.memory",
 )
 CPU_MODULES = ("specplug.vllm_eagle3.tree_attention", "specplug.vllm_eagle3.tree_verify")

@@ -23,7 +23,7 @@ CPU_ATTENTION = "vllm.v1.attention.backends.cpu_attn.CPUAttentionBackend"  # vLL
 TREE_ATTENTION = "specplug.vllm_eagle3.tree_attention.TreeCPUAttentionBackend"
 SERVE = "specplug serve"  # the group serve.py applies
 V2_SPECULATOR = "vllm.v1.worker.gpu.spec_decode.eagle.speculator"
-# runner patch names (runner_state.py applies them per runner; dense_head.py per layer)
+# runner patch names (runner_state.py applies them per runner; quantized_layers.py per layer)
 PREPARE_INPUTS = "runner._prepare_inputs"
 BUILD_ATTENTION_METADATA = "runner._build_attention_metadata"
 PROPOSE_DRAFT_TOKEN_IDS = "runner.propose_draft_token_ids"
@@ -210,14 +210,14 @@ PATCHES = PatchSet("vLLM", vllm_version, [
           "SpecplugChainSampler, which wraps vLLM's (specplug heads only)", "runner_state.py, sampler.py",
           versions=SUPPORTED_VLLM_VERSIONS),
     Patch(LINEAR_QUANT_METHOD, "vllm.model_executor.layers.linear.LinearBase.quant_method", INSTANCE,
-          "specplug.vllm_eagle3.dense_head:quantized_method",
+          "specplug.vllm_eagle3.quantized_layers:quantized_method",
           Expect(instance_of="vllm.model_executor.layers.quantization.base_config.QuantizeMethodBase"),
           "int8 / int4 weights for the EAGLE-3 head's own linears (head_weights), checked against vLLM's first",
-          "dense_head.py", versions=SUPPORTED_VLLM_VERSIONS),
+          "quantized_layers.py", versions=SUPPORTED_VLLM_VERSIONS),
     Patch(LM_HEAD_QUANT_METHOD, "vllm.model_executor.layers.vocab_parallel_embedding.ParallelLMHead.quant_method",
-          INSTANCE, "specplug.vllm_eagle3.dense_head:quantized_method",
+          INSTANCE, "specplug.vllm_eagle3.quantized_layers:quantized_method",
           Expect(instance_of="vllm.model_executor.layers.quantization.base_config.QuantizeMethodBase"),
-          "the same for the head's own lm_head (never the target's)", "dense_head.py",
+          "the same for the head's own lm_head (never the target's)", "quantized_layers.py",
           versions=SUPPORTED_VLLM_VERSIONS),
     Patch(SHARDS, REFUSAL_SITE, WRAP, "specplug.vllm_eagle3.settings:checking_head_shards",
           Expect(qualname="SpeculativeConfig.__post_init__", module="vllm.config"),

@@ -18,7 +18,8 @@ import torch
 from vllm.v1.spec_decode.eagle import EagleProposer
 
 from specplug.vllm_eagle3.ranks import tp_ranks
-from specplug.vllm_eagle3.dense_head import DenseEagle1Head, DenseEagle3Head, use_quantized_weights
+from specplug.vllm_eagle3.dense_head import DenseEagle1Head, DenseEagle3Head
+from specplug.vllm_eagle3.quantized_layers import use_quantized_weights
 from specplug.vllm_eagle3.runner_state import RunnerState
 from specplug.vllm_eagle3.sampler import SpecplugChainSampler
 from specplug.common.head_section import HeadSettings
@@ -227,7 +228,7 @@ class SpecplugEagleProposer(EagleProposer):
 
     def _use_quantized_weights(self, target_model):
         """The section's "head_weights" (int8 or int4): the EAGLE-3 head's linears with
-        quantized weights, from its checkpoint (dense_head.use_quantized_weights); where
+        quantized weights, from its checkpoint (quantized_layers.use_quantized_weights); where
         they cannot run, as loaded."""
         from specplug.common import formats
 

@@ -1,5 +1,5 @@
 """"head_weights": the EAGLE-3 head's linears run with int8 or int4 weights inside vLLM
-(specplug.common.quantization.int8 / int4 through dense_head.use_quantized_weights).
+(specplug.common.quantization.int8 / int4 through quantized_layers.use_quantized_weights).
 
 Greedy output equals vLLM without speculation; the swap happens only for the head's own
 weights (another head's weights of the same shapes are refused, nothing changed) and
@@ -13,7 +13,7 @@ pytest.importorskip("vllm", reason="needs the vLLM environment: bash scripts/tes
 
 from specplug.common import formats  # noqa: E402
 from specplug.common.quantization import int4, int8# noqa: E402
-from specplug.vllm_eagle3.dense_head import _QuantMethod, eagle3_linears, use_quantized_weights  # noqa: E402
+from specplug.vllm_eagle3.quantized_layers import _QuantMethod, eagle3_linears, use_quantized_weights  # noqa: E402
 from tests.vllm.conftest import PROMPTS, SPECPLUG_CHAIN, drafter_of  # noqa: E402
 from tests.vllm.test_stage_chain import params, run, token_ids  # noqa: E402
 from tests.support.tiny_eagle3 import tiny_head_dir  # noqa: E402
