@@ -29,7 +29,7 @@ from specplug.vllm_eagle3.ranks import tp_ranks
 from specplug.vllm_eagle3.runner_state import RunnerState
 from specplug.vllm_eagle3.sampler import SpecplugChainSampler
 from specplug.common.head_section import HeadSettings
-from specplug.vllm_eagle3.settings import check_head_matches_target, specplug_section
+from specplug.vllm_eagle3.settings import check_head_matches_target, check_num_speculative_tokens, specplug_section
 
 logger = logging.getLogger(__name__)
 
@@ -65,10 +65,7 @@ class SpecplugMedusaProposer(MedusaProposer):
                                  f"{k} exceeds the {self.num_heads} heads; set \"num_speculative_tokens\": "
                                  f"{self.num_heads} or fewer")
             return TreeConfig(depth=k, topk=1, budget=k)
-        nodes = self.specplug.medusa_nodes - 1
-        if k != nodes:
-            raise ValueError(f"specplug Medusa stage \"tree\" verifies its {nodes} tree nodes as vLLM draft tokens, "
-                             f"but num_speculative_tokens is {k}: set \"num_speculative_tokens\": {nodes}")
+        check_num_speculative_tokens(self.specplug, k, self.specplug.medusa_nodes - 1)
         return self.specplug.tree
 
     def attach(self, runner) -> None:

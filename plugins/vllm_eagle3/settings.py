@@ -63,18 +63,17 @@ def check_vllm(settings: HeadSettings) -> None:
                            "use stage \"chain\"")
 
 
-def check_num_speculative_tokens(settings: HeadSettings, num_speculative_tokens: int) -> None:
-    """Stage "tree" hands vLLM every kept tree node as a draft token, so vLLM must
-    reserve exactly tree.budget draft slots per request; raise ValueError otherwise."""
-    if settings.stage != "tree":
-        return
-    budget = settings.tree.budget
-    if num_speculative_tokens != budget:
+def check_num_speculative_tokens(settings: HeadSettings, num_speculative_tokens: int, nodes: int | None = None) -> None:
+    """Stage "tree" hands vLLM every node of the tree as a draft token, so vLLM must
+    reserve exactly the tree's `nodes` draft slots per request (default tree.budget; Medusa
+    heads: their static tree's non-root nodes); raise ValueError otherwise."""
+    nodes = settings.tree.budget if nodes is None else nodes
+    if settings.stage == "tree" and num_speculative_tokens != nodes:
         raise ValueError(
-            f"specplug stage \"tree\" verifies tree.budget={budget} draft nodes per step as vLLM draft "
-            f"tokens, but num_speculative_tokens is {num_speculative_tokens}: set "
-            f"\"num_speculative_tokens\": {budget} in vLLM's speculative_config (or change the head's "
-            f"tree budget, e.g. {ENV_TREE}='{{\"budget\": {num_speculative_tokens}}}')"
+            f"specplug stage \"tree\" verifies its {nodes} tree nodes per step as vLLM draft tokens, but "
+            f"num_speculative_tokens is {num_speculative_tokens}: set \"num_speculative_tokens\": {nodes} in "
+            f"vLLM's speculative_config (or change the head's tree, e.g. "
+            f"{ENV_TREE}='{{\"budget\": {num_speculative_tokens}}}')"
         )
 
 
