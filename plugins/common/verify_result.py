@@ -30,3 +30,11 @@ class VerifyResult(NamedTuple):
                          device=toks.device)
         out = torch.cat([toks, pad], 1)  # [B, D+1]; D may be 0 (no request had drafts)
         return out.scatter_(1, self.num_accepted.unsqueeze(1), self.bonus_token.unsqueeze(1))
+
+    def node_rows(self, starts: torch.Tensor, width: int | None = None) -> torch.Tensor:
+        """Each accepted node's row in the step's flat logits, Long [B, D+1] (or [B, width]),
+        -1 padded: request b's nodes own rows starts[b] (its root) onward."""
+        nodes = self.accepted_nodes
+        if width is not None:
+            nodes = torch.cat([nodes, nodes.new_full((nodes.shape[0], width - nodes.shape[1]), -1)], 1)
+        return torch.where(nodes >= 0, starts.to(nodes.device)[:, None] + nodes, -1)

@@ -101,12 +101,8 @@ class SpecplugChainSampler:
         """vLLM's raw logprobs of every emitted token, rows in the order of `tokens`
         flattened [B * W] (placeholder slots get row 0 / token 0; vLLM drops them)."""
         sampler = self.vllm_sampler.sampler
-        batch, width = tokens.shape
         starts = torch.cumsum(num_nodes, 0) - num_nodes  # [B]
-        nodes = torch.zeros(batch, width, dtype=torch.long)
-        depth = result.accepted_nodes.shape[1]
-        nodes[:, :depth] = result.accepted_nodes.clamp(min=0)
-        rows = (starts[:, None] + nodes).flatten()  # [B * W]
+        rows = result.node_rows(starts, tokens.shape[1]).clamp(min=0).flatten()  # [B * W]
         emitted = tokens.flatten().clamp(min=0).long()
         logprobs = raw[rows.to(raw.device)].float()
         if sampler.logprobs_mode == "raw_logprobs":

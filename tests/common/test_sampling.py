@@ -95,6 +95,8 @@ def test_greedy_chain_example():
     assert res.accepted_nodes.tolist() == [[0, 1, 2, -1]]
     assert res.num_accepted.tolist() == [2] and res.bonus_token.tolist() == [4]
     assert res.output_tokens(cands).tolist() == [[1, 2, 4, -1]]
+    assert res.node_rows(torch.tensor([5])).tolist() == [[5, 6, 7, -1]]  # request 0's root at flat row 5
+    assert res.node_rows(torch.tensor([5]), 5).tolist() == [[5, 6, 7, -1, -1]]
 
 
 def test_greedy_ties_go_to_the_first_maximal_index():
