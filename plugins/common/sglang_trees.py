@@ -152,9 +152,9 @@ def accepted_outputs(tree: TreeBatch, verdict: VerifyResult, device) -> tuple[to
     Int [B, n] flat node rows -1 padded, predict Int [B*n] the token emitted after each
     accepted node, accept_tokens Int [B, n] the emitted tokens)."""
     bs, n = tree.candidates.shape
-    on_path = verdict.accepted_nodes.to(device) >= 0  # [B, D+1]
-    width = on_path.shape[1]
     accept_index = verdict.node_rows(torch.arange(bs) * n, n).to(device=device, dtype=torch.int32)
+    width = verdict.accepted_nodes.shape[1]
+    on_path = accept_index[:, :width] >= 0  # [B, D+1]
     # token after path[j]: the token AT path[j + 1]; after the last accepted, the bonus
     emitted = verdict.output_tokens(tree.candidates.to(verdict.accepted_nodes.device))  # [B, D+1], -1 padded
     emitted = torch.where(on_path, emitted.to(device), 0)

@@ -68,11 +68,12 @@ class TreeVerifier:
         topology recorded; the batch rows whose request needs a chain (needs_chain) get
         chains(rows) [len(rows), N - 1] instead, recorded as nothing (= a chain)."""
         drafts = trees.candidates[:, 1:].clone()
-        chained = [b for b, r in enumerate(req_ids) if needs_chain(self.state.sampling_params(r))]
+        as_chain = [needs_chain(self.state.sampling_params(r)) for r in req_ids]
+        chained = [b for b, chain in enumerate(as_chain) if chain]
         if chained:
             drafts[chained] = chains(chained).to(drafts.dtype)
         for b, req_id in enumerate(req_ids):
-            if b not in chained:
+            if not as_chain[b]:
                 self.record(req_id, trees.candidates[b], trees.parents[b])
         return drafts
 
