@@ -296,10 +296,11 @@ def read_section(head_dir) -> dict:
     """The `specplug` section of HEAD_DIR/config.json, {} when it has none."""
     config_file = Path(head_dir) / "config.json"
     section = json.loads(config_file.read_text()).get("specplug")
-    return dict(_check_section(section, config_file) or {})
+    return dict(checked_section(section, config_file) or {})
 
 
-def _check_section(section, where="config.json"):
+def checked_section(section, where="config.json"):
+    """`section` as given (None included); SettingTypeError unless None or a mapping."""
     if section is not None and not isinstance(section, Mapping):
         raise SettingTypeError(f"{where} 'specplug' must be an object, got {type(section).__name__}: make it a "
                                "JSON object of specplug settings (docs/heads.md), or remove it")
@@ -326,7 +327,7 @@ def parse(section: Mapping[str, Any] | None, environ: Mapping[str, str] = os.env
 
 
 def _parse(section, environ, method, arguments, num_heads) -> ParsedSection:
-    section = dict(_check_section(section) or {})
+    section = dict(checked_section(section) or {})
     arguments = dict(arguments or {})
     _check_arguments(arguments)
     unknown = sorted(set(section) - set(KEYS))

@@ -24,6 +24,7 @@ from specplug.common.drafting.eagle import (
     EagleDrafting, HeldRoots, accepted_rows, held_trees, prefill_rows, serving_head,
 )
 from specplug.common.head_section import HeadSettings
+from specplug.common.heads.eagle3 import check_capture_order
 from specplug.common.drafting.runner import TorchHeadRunner
 from specplug.common.drafting.sampled import sampled_tree
 from specplug.common.drafting.session import DraftingSession
@@ -45,9 +46,7 @@ def capture_aux_states(model, layer_ids) -> None:
         raise ValueError(f"{type(model).__name__} cannot capture aux hidden states in SGLang 0.5.23: "
                          "SPECPLUG_EAGLE3 needs a Llama-family target")
     ids = [int(i) for i in layer_ids]
-    if ids != sorted(set(ids)):  # SGLang captures in layer order, once per layer
-        raise ValueError(f"SPECPLUG_EAGLE3 needs the head's aux layer ids ascending and distinct, got {ids}: "
-                         "fix eagle_aux_hidden_state_layer_ids in the head's config.json (and its fc's column order)")
+    check_capture_order(ids, "SGLang", "SPECPLUG_EAGLE3")
     model.capture_aux_hidden_states = True
     model.model.layers_to_capture = ids
 

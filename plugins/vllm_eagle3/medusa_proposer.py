@@ -27,7 +27,8 @@ from specplug.common.heads.medusa import medusa_head_count
 from specplug.vllm_eagle3.medusa_settings import medusa_drafter, medusa_settings
 from specplug.vllm_eagle3.ranks import tp_ranks
 from specplug.vllm_eagle3.runner_state import RunnerState
-from specplug.vllm_eagle3.sampler import SpecplugChainSampler
+from specplug.vllm_eagle3.tree_platform import check_platform
+from specplug.vllm_eagle3.sampler import install_verification
 from specplug.common.head_section import HeadSettings
 from specplug.vllm_eagle3.settings import check_head_matches_target, check_num_speculative_tokens, specplug_section
 
@@ -52,6 +53,7 @@ class SpecplugMedusaProposer(MedusaProposer):
         self.specplug = medusa_settings(section, self.num_heads)
         self.drafting = medusa_drafter(self.specplug, self.num_heads)
         self.tree = self._tree_config(self.num_speculative_tokens)
+        check_platform(vllm_config, self.specplug.stage)
         logger.info("specplug Medusa proposer active for heads %s: %d heads, stage %s, %d draft tokens",
                     draft.model, self.num_heads, self.specplug.stage, self.num_speculative_tokens)
         self.policy = StepPolicy(self.num_speculative_tokens, adaptive=False, payoff=self.specplug.payoff,
@@ -74,15 +76,9 @@ class SpecplugMedusaProposer(MedusaProposer):
         if self.specplug is None:
             return
         self.state = RunnerState(runner)
-        if self.specplug.stage == "tree":
-            from specplug.vllm_eagle3.tree_platform import check_platform
-            check_platform(self.vllm_config)
-            from specplug.vllm_eagle3.tree_verify import TreeVerifier
-            self.tree_verifier = TreeVerifier(self.state)
-            self.tree_verifier.install()
+        self.tree_verifier = install_verification(self.state, self.specplug.stage == "tree", on_verify=self._verified)
+        if self.tree_verifier is not None:
             self.state.wrap_sample_hidden(self.tree_verifier.committed_samples)
-        self.state.replace_rejection_sampler(lambda own: SpecplugChainSampler(
-            own, self.state, self.tree_verifier, on_verify=self._verified))
 
     def _verified(self, req_ids, num_draft_tokens, num_accepted) -> None:
         """The sampler's verify result, [B] drafts scheduled and accepted per batch row."""

@@ -21,7 +21,8 @@ from specplug.vllm_eagle3.ranks import tp_ranks
 from specplug.vllm_eagle3.dense_head import DenseEagle1Head, DenseEagle3Head
 from specplug.vllm_eagle3.quantized_layers import use_quantized_weights
 from specplug.vllm_eagle3.runner_state import RunnerState
-from specplug.vllm_eagle3.sampler import SpecplugChainSampler
+from specplug.vllm_eagle3.tree_platform import check_platform
+from specplug.vllm_eagle3.sampler import install_verification
 from specplug.common.head_section import HeadSettings
 from specplug.vllm_eagle3.settings import (
     adapter_settings,
@@ -59,9 +60,7 @@ class SpecplugEagleProposer(EagleProposer):
         self.ranks = tp_ranks()  # the engine's TP group: decisions are rank 0's (specplug.common.parallel)
         self.steps = 0  # propose calls, the step number of the rank check
         self.tree_verifier = None  # stage "tree": a TreeVerifier, built with the runner
-        if self.specplug.stage == "tree":
-            from specplug.vllm_eagle3.tree_platform import check_platform
-            check_platform(vllm_config)
+        check_platform(vllm_config, self.specplug.stage)
         token_drafter = None  # hybrid drafting: the section's token drafter, or None
         if self.specplug.drafter is not None:
             token_drafter = drafter_registry.build(self.specplug.drafter, vllm_config.model_config.get_vocab_size())
@@ -81,19 +80,9 @@ class SpecplugEagleProposer(EagleProposer):
         if self.specplug is not None and self.session.token_drafter is not None:  # self_spec: the target's layers
             drafter_registry.bind_target(self.session.token_drafter, EngineTarget(
                 target_model, target_model.compute_logits, self.vllm_config.model_config.hf_text_config))
-        if self.specplug is not None and self.state is not None:
-            # the runner builds its rejection sampler after the drafter: swap it here
-            if self.specplug.stage == "tree":
-                from specplug.vllm_eagle3.tree_verify import TreeVerifier
-                self.tree_verifier = TreeVerifier(self.state)
-                self.tree_verifier.install()
-                logger.info("specplug stage tree: runner._prepare_inputs and _build_attention_metadata "
-                            "wrapped (tree positions, ancestor mask via CPU_ATTN override, KV "
-                            "compaction after verification)")
-            self.state.replace_rejection_sampler(lambda own: SpecplugChainSampler(
-                own, self.state, self.tree_verifier, self.session, self._verified))
-            logger.info("specplug: runner.rejection_sampler replaced by SpecplugChainSampler "
-                        "(specplug.common.sampling.verify)")
+        if self.specplug is not None and self.state is not None:  # the runner builds its sampler after the drafter
+            self.tree_verifier = install_verification(self.state, self.specplug.stage == "tree", self.session,
+                                                      self._verified)
 
     def propose(self, num_speculative_tokens, target_token_ids, target_positions,
                 target_hidden_states, next_token_ids, token_indices_to_sample,
@@ -141,7 +130,7 @@ class SpecplugEagleProposer(EagleProposer):
         keep = [i for i, b in enumerate(rows) if not discarded[b]]  # vLLM drops partial prefills' drafts
         depth = self.policy.depth(len(keep))
         if self.session.token_drafter is not None and depth > 0:  # else the next drafting step fills it in
-            self._sync_token_drafter(requests)
+            self.session.sync_committed(requests, self.state.known_tokens)
         kept_ids = [requests[i][0] for i in keep]
         roots, alone = self.session.catch_up(requests, kept_ids, depth, chains=self.tree_verifier is None)
         if alone is not None:
@@ -190,15 +179,6 @@ class SpecplugEagleProposer(EagleProposer):
         """The sampler's verify result, [B] drafts scheduled and accepted per batch row."""
         self.policy.verified(num_draft_tokens, num_accepted)
         self.session.verified(req_ids, num_draft_tokens, num_accepted.tolist())
-
-    def _sync_token_drafter(self, requests):
-        """Bring the token drafter's copy of each request's committed tokens to what
-        vLLM committed this step (DraftingSession.sync_tokens: cut what vLLM discarded,
-        fill what it has not seen from vLLM's request state, such as the tokens of steps
-        without drafts, which skip this), then append the new tokens."""
-        for req_id, shifted, positions, _ in requests:
-            if self.session.sync_tokens(req_id, int(positions[0]) + 1, lambda: self.state.known_tokens(req_id)):
-                self.session.token_drafter.extend(req_id, shifted)
 
     def _committed_rows(self, token_ids, positions, aux_hidden, next_token_ids, attn_metadata,
                         num_rejected, discarded):

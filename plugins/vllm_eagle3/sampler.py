@@ -29,6 +29,23 @@ from specplug.vllm_eagle3.request_rules import logit_bias_of, min_p_of, rules_of
 logger = logging.getLogger(__name__)
 
 
+def install_verification(state, tree: bool, session=None, on_verify=None):
+    """specplug's verification on the runner of `state` (runner_state.RunnerState): its
+    rejection sampler becomes a SpecplugChainSampler; with `tree` (stage "tree", platform
+    checked: tree_platform) a tree_verify.TreeVerifier hooks the runner first and is
+    returned (else None). session, on_verify: as SpecplugChainSampler takes them."""
+    verifier = None
+    if tree:
+        from specplug.vllm_eagle3.tree_verify import TreeVerifier
+        verifier = TreeVerifier(state)
+        verifier.install()
+        logger.info("specplug stage tree: runner._prepare_inputs and _build_attention_metadata wrapped (tree "
+                    "positions, ancestor mask via CPU_ATTN override, KV compaction after verification)")
+    state.replace_rejection_sampler(lambda own: SpecplugChainSampler(own, state, verifier, session, on_verify))
+    logger.info("specplug: runner.rejection_sampler replaced by SpecplugChainSampler (specplug.common.verify_step)")
+    return verifier
+
+
 def _values(t: torch.Tensor | None, batch: int, default) -> list:
     """A per-request setting of vLLM's SamplingMetadata as a list [B] (None: `default` each)."""
     return [default] * batch if t is None else t[:batch].tolist()

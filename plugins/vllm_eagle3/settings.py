@@ -10,7 +10,8 @@ import functools
 import os
 from typing import Any, Mapping
 
-from specplug.common.head_section import ENV_TREE, HeadSettings, parse, refuse_unsupported
+from specplug.common.heads.eagle3 import check_capture_order
+from specplug.common.head_section import ENV_TREE, HeadSettings, checked_section, parse, refuse_unsupported
 from specplug.common.parallel import shard_error
 
 # vLLM's speculative method -> the method a specplug head's section names
@@ -26,8 +27,7 @@ def specplug_section(hf_config: Any, vllm_method: str = "eagle3") -> dict | None
         section = hf_config.get("specplug")
     if not section or vllm_method not in HEAD_METHOD:
         return None
-    if not isinstance(section, Mapping):
-        raise TypeError(f"config.json 'specplug' must be an object, got {type(section).__name__}")
+    checked_section(section)
     expected = HEAD_METHOD[vllm_method]
     given = section.get("method", expected)
     if given != expected:
@@ -81,9 +81,9 @@ def check_head_matches_target(head_dir: str, target_config: Any, vllm_method: st
                               weights: bool = True) -> None:
     """Raise ValueError naming the first field where the head cannot draft for the target:
     specplug.common.formats' validation (hidden size, vocab, aux layer ids, shapes), the
-    head's kind against vLLM's method, plus vLLM's own constraints: aux layer ids
-    ascending (vLLM captures sorted(set(ids)) and concatenates them in that order); no fc
-    bias in an EAGLE-1 head (vLLM 0.32's EAGLE-1 model has none to load it into).
+    head's kind against vLLM's method, plus the engines' constraints: aux layer ids
+    ascending (heads.eagle3.check_capture_order); no fc bias in an EAGLE-1 head (vLLM
+    0.32's EAGLE-1 model has none to load it into).
     weights=False reads the head's safetensors headers only (formats.load_head)."""
     from specplug.common import formats
 
@@ -95,13 +95,8 @@ def check_head_matches_target(head_dir: str, target_config: Any, vllm_method: st
         raise ValueError(f"{head_dir}: the EAGLE-1 head has an fc bias (fc.bias), which vLLM 0.32's EAGLE-1 model "
                          "cannot load: serve it in SGLang with --speculative-algorithm SPECPLUG_EAGLE3, or use "
                          "a head trained without fc bias")
-    ids = (head.config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
-    if ids is not None and list(ids) != sorted(set(ids)):
-        raise ValueError(
-            f"head eagle_aux_hidden_state_layer_ids {list(ids)} must be distinct and ascending: "
-            f"vLLM concatenates the aux hidden states in ascending layer order (config.json of "
-            f"{head_dir}); fix: train or convert a head for this target with sorted ids"
-        )
+    check_capture_order((head.config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids"), "vLLM",
+                        f"config.json of {head_dir}")
 
 
 def check_head_shards(speculative_config: Any) -> None:

@@ -18,8 +18,11 @@ GPU_REFUSAL = ("specplug stage \"tree\" runs on vLLM-CPU only: for GPUs only its
                "section, or SPECPLUG_STAGE=chain)")
 
 
-def check_platform(vllm_config) -> None:
-    """RuntimeError unless this is vLLM-CPU with a KV layout specplug reads (paged_kv)."""
+def check_platform(vllm_config, stage: str = "tree") -> None:
+    """For stage "tree": RuntimeError unless this is vLLM-CPU with a KV layout specplug
+    reads (paged_kv). Other stages run anywhere."""
+    if stage != "tree":
+        return
     from vllm.platforms import current_platform
 
     if not current_platform.is_cpu():

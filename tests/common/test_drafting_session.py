@@ -117,6 +117,22 @@ def test_sync_tokens_makes_the_drafter_hold_exactly_the_committed_prefix(have, l
     assert not session.sync_tokens("new", 9, lambda: known)  # the engine lacks them
 
 
+def test_sync_committed_holds_the_prefix_then_the_new_rows():
+    """A request the drafter has not followed (steps without drafts) is filled from the
+    engine's tokens up to its first new row's position, then extended by the new rows; one
+    whose tokens the engine lacks is left out."""
+    from specplug.common.drafting.eagle import Committed
+
+    drafter = ListDrafter()
+    known = {"r": [10, 11, 12, 13, 14, 15], "gone": []}
+    drafter.prefill("r", known["r"][:2])
+    session = DraftingSession(None, token_drafter=drafter)
+    rows = [Committed("r", torch.tensor([14, 15]), torch.tensor([3, 4]), torch.zeros(2, 1)),
+            Committed("gone", torch.tensor([7]), torch.tensor([5]), torch.zeros(1, 1))]
+    session.sync_committed(rows, known.__getitem__)
+    assert drafter.live["r"] == known["r"] and "gone" not in drafter.live
+
+
 def test_in_batch_order_puts_each_part_at_its_rows():
     a = TreeBatch(torch.tensor([[7, 1]]), torch.tensor([[-1, 0]]), torch.tensor([2]))
     b = TreeBatch(torch.tensor([[8, 2, 3], [9, 0, 0]]), torch.tensor([[-1, 0, 1], [-1, -1, -1]]),

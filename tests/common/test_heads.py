@@ -2,12 +2,13 @@
 and EAGLE-1 math, cache and tree-mask consistency, strict loading."""
 
 import math
+import re
 
 import pytest
 import torch
 
 from specplug.common.heads import Eagle1Config, Eagle1Head, Eagle3Config, Eagle3Head, MedusaConfig, MedusaHeads
-from specplug.common.heads.eagle3 import d2t_to_t2d, rope_inv_freq
+from specplug.common.heads.eagle3 import check_capture_order, d2t_to_t2d, rope_inv_freq
 
 SMALL = dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
              vocab_size=100, draft_vocab_size=40, target_hidden_size=24)
@@ -65,6 +66,15 @@ def test_eagle3_config_defaults_and_errors():
         Eagle3Config.from_dict({**SMALL, "architectures": ["LlamaForCausalLM"]})
     with pytest.raises(ValueError, match="missing"):
         Eagle3Config.from_dict({"hidden_size": 32})
+
+
+@pytest.mark.parametrize("ids", [[2, 15, 9], [4, 4, 9]])
+def test_aux_layer_ids_out_of_order_or_repeated_are_refused_naming_the_engine(ids):
+    message = re.escape(f"{ids} must be distinct and ascending: vLLM captures") + r".*\(config.json of H\)"
+    with pytest.raises(ValueError, match=message):
+        check_capture_order(ids, "vLLM", "config.json of H")
+    check_capture_order(sorted(set(ids)), "vLLM", "config.json of H")  # the sorted head passes
+    check_capture_order(None, "vLLM", "config.json of H")  # no ids in the config: nothing to check
 
 
 def test_for_target_copies_the_target_shape(tiny_llama_path):

