@@ -2,12 +2,14 @@
 other, in a process of their own (SGLang spawns one scheduler per rank; an engine's
 shutdown ends every scheduler of its process, so engines never overlap).
 
-python -m tests.support.sglang_tp_generate --model MODEL --tp 2 '{"name": "base"}' '{"name": ..., ...}' ...
+python -m tests.support.sglang_tp_generate --model MODEL --tp 2 [--text] '{"name": "base"}' '{"name": ..., ...}' ...
 prints one line MARKER + JSON {NAME: {"ids": [[ids], ...], "accepted": n}, ...}. A run is
 {"name": NAME, "engine_args": {sglang.Engine arguments}, "env": {VAR: VALUE}, "sampling": {...}}: env is set
 while that engine starts (its schedulers inherit it); sampling: SGLang sampling fields over greedy, a "seed"
 s gives prompt i the sampling_seed s + i. "accepted": draft tokens accepted, all requests (tokens beyond
 the first, less SGLang's verify steps).
+--text: tests.support.tp_generate's text prompts through the model's tokenizer (a trained model's
+drafts need text), else PROMPTS (token ids any vocabulary holds).
 Run with tests/support/sglang_path on PYTHONPATH (the CPU stand-ins), as the SGLang suite does.
 """
 
@@ -18,6 +20,7 @@ import json
 import os
 
 from specplug.common.parallel import threads_bind
+from tests.support.tp_generate import PROMPTS as TEXT_PROMPTS
 from tests.support.tp_generate import environment
 
 MARKER = "sglang_tp_generate: "  # the result line's prefix
@@ -55,15 +58,22 @@ def main() -> None:
     parser.add_argument("--model", required=True, help="target model folder (default: none)")
     parser.add_argument("--tp", type=int, default=2, help="--tp-size (default: 2)")
     parser.add_argument("--max-tokens", type=int, default=24, help="tokens per prompt (default: 24)")
+    parser.add_argument("--text", action="store_true", help="text prompts through the model's tokenizer")
     parser.add_argument("runs", nargs="+", help="JSON runs, in this order")
     args = parser.parse_args()
+    prompts = PROMPTS
+    if args.text:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(args.model)
+        prompts = [tokenizer(text)["input_ids"] for text in TEXT_PROMPTS]
     os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
     os.environ.setdefault("SGLANG_PLUGINS", "specplug_medusa")
     os.environ.setdefault("SGLANG_CPU_OMP_THREADS_BIND", threads_bind(args.tp))
     out = {}
     for text in args.runs:
         run = json.loads(text)
-        out[run["name"]] = generate(args.model, run, args.tp, args.max_tokens)
+        out[run["name"]] = generate(args.model, run, args.tp, args.max_tokens, prompts)
     print(MARKER + json.dumps(out), flush=True)
 
 
