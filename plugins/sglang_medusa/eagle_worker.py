@@ -46,7 +46,7 @@ def capture_aux_states(model, layer_ids) -> None:
         raise ValueError(f"{type(model).__name__} cannot capture aux hidden states in SGLang 0.5.23: "
                          "SPECPLUG_EAGLE3 needs a Llama-family target")
     ids = [int(i) for i in layer_ids]
-    check_capture_order(ids, "SGLang", "SPECPLUG_EAGLE3")
+    check_capture_order(ids, "SGLang", "SPECPLUG_EAGLE3: the head's config.json")
     model.capture_aux_hidden_states = True
     model.model.layers_to_capture = ids
 
