@@ -1,4 +1,4 @@
-"""specplug's SGLang algorithms at --tp-size 2 (tiny Llama) and 3 (the test bed, committed
+"""specplug's SGLang algorithms at --tp-size 2 (tiny Llama) and 3 (the test bed, its committed
 heads) (the scheduler on every rank drafts and verifies; the heads specplug loads are
 replicated, the target's embedding and LM head are gathered whole once, rank-local
 measurements are decided on rank 0): greedy output equals SGLang at the same --tp-size
@@ -91,22 +91,30 @@ def test_every_algorithm_at_tp_2_keeps_greedy_output_and_ranks_in_step(sgl_model
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_the_committed_heads_at_tp_3_keep_greedy_output_and_drafts():
+def test_every_algorithm_at_tp_3_on_the_test_bed_keeps_greedy_output_and_drafts(tmp_path):
     """The test bed (9 query / 3 KV heads, vocabulary 49152) at --tp-size 3, ranks bound to cores 0|1|0,
-    SPECPLUG_CHECK_RANKS=1, four text prompts: MEDUSA and SPECPLUG_EAGLE3 with the committed heads as
-    committed (replicated on every rank, so the EAGLE-3 head's 8192-token draft vocabulary needs no padding,
-    unlike vLLM's), a tree every step: each greedy output equals SGLang at --tp-size 3 without speculation,
-    and the trained heads' drafts are accepted."""
+    SPECPLUG_CHECK_RANKS=1, four text prompts, a tree every step: MEDUSA and SPECPLUG_EAGLE3 with the
+    committed heads as committed (replicated on every rank, so the EAGLE-3 head's 8192-token draft
+    vocabulary needs no padding, unlike vLLM's), RETRIEVAL, DRAFT_MODEL with a one-layer draft cut from the
+    test bed, SELF_SPEC: each greedy output equals SGLang at --tp-size 3 without speculation, and each
+    method's drafts are accepted."""
     from specplug.common import testbed
+    from specplug.common.draft_model import cut_draft_model
     from tests.support.sglang_tp_generate import MARKER
     from tests.support.tp_generate import run_checked
 
+    target = testbed.target_dir()
+    draft = cut_draft_model(target, "0", tmp_path / "draft")
     every_step = {"SPECPLUG_PAYOFF": "0"}
     runs = [{"name": "base"}] + [
         {"name": algorithm, "env": every_step, "engine_args": {
             "speculative_algorithm": algorithm, "speculative_draft_model_path": str(testbed.head_dir(head))}}
-        for algorithm, head in (("MEDUSA", "smollm2-medusa"), ("SPECPLUG_EAGLE3", "smollm2-eagle3"))]
-    out = run_checked("tests.support.sglang_tp_generate", ["--model", str(testbed.target_dir()), "--tp", "3", "--text",
+        for algorithm, head in (("MEDUSA", "smollm2-medusa"), ("SPECPLUG_EAGLE3", "smollm2-eagle3"))] + [
+        {"name": "RETRIEVAL", "env": every_step, "engine_args": {"speculative_algorithm": "RETRIEVAL"}},
+        {"name": "DRAFT_MODEL", "env": {**every_step, "SPECPLUG_DRAFTER": json.dumps({"model": str(draft)})},
+         "engine_args": {"speculative_algorithm": "DRAFT_MODEL"}},
+        {"name": "SELF_SPEC", "env": every_step, "engine_args": {"speculative_algorithm": "SELF_SPEC"}}]
+    out = run_checked("tests.support.sglang_tp_generate", ["--model", str(target), "--tp", "3", "--text",
                                                            *map(json.dumps, runs)], dict(os.environ), MARKER)
     base = out.pop("base")["ids"]
     assert sum(map(len, base)) >= 32  # a prompt may stop early

@@ -18,6 +18,7 @@ import os
 from contextlib import contextmanager
 
 MARKER = "tp_generate: "  # the result line's prefix (vLLM logs to stdout too)
+SHUTDOWN_S = 60  # seconds an engine's processes get to exit on their own
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Write a haiku about the sea.", "1, 2, 3, 4,"]
 
 
@@ -49,8 +50,15 @@ def run_checked(module: str, args: list[str], env: dict, marker: str = MARKER, t
 
     proc = subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True, timeout=timeout,
                           env={**env, "SPECPLUG_CHECK_RANKS": "1"}, cwd=Path(__file__).resolve().parents[2])
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    assert proc.returncode == 0, failure_summary(proc.stdout + proc.stderr)
     return json.loads(next(line for line in proc.stdout.splitlines() if line.startswith(marker))[len(marker):])
+
+
+def failure_summary(output: str, lines: int = 30) -> str:
+    """A failed run's error lines (the first `lines` naming an Error), then the output's end: a rank's
+    own error comes long before the shutdown tracebacks of the others."""
+    errors = [line for line in output.splitlines() if "Error" in line][:lines]
+    return "\n".join(["error lines:", *errors, "end of output:", output[-2000:]])
 
 
 @contextmanager
@@ -79,7 +87,8 @@ def generate(target: str, run: dict, tp: int, max_tokens: int, backend: str = "m
                   disable_log_stats=False)
         outputs = llm.generate(prompts, sampling_params(run["sampling"], max_tokens, len(prompts)), use_tqdm=False)
         stats = spec_decode_stats(llm.get_metrics())
-        llm.llm_engine.engine_core.shutdown()
+        # past vLLM's default 5 s the workers are force-killed, and its kill loop can race a worker's exit
+        llm.llm_engine.engine_core.shutdown(timeout=SHUTDOWN_S)
     return {"ids": [list(o.outputs[0].token_ids) for o in outputs], "drafts": stats.num_draft_tokens,
             "accepted": stats.num_accepted}
 

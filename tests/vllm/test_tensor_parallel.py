@@ -86,15 +86,42 @@ def test_one_rank_decides_alone():
     assert tp_ranks() is ALONE
 
 
+def _tp3_runs(target, head: str, tmp_path) -> list[dict]:
+    """tests.support.tp_generate runs on the test bed at TP 3 besides the committed head as committed
+    (stage chain, hybrid with retrieval): the same head in stage tree beside a one-layer draft model cut
+    from the target, in stage chain beside the self_spec drafter (the target's layers 0-3 and 29), and
+    the committed Medusa heads' tree; payoff control off (as the suite sets it), so every step drafts."""
+    from specplug.common import formats, testbed
+    from specplug.common.draft_model import cut_draft_model
+    from specplug.vllm_eagle3.medusa_settings import tree_nodes
+
+    draft = cut_draft_model(target, "0", tmp_path / "draft")
+    medusa = tmp_path / "medusa"  # vLLM's format: one LM head per head
+    formats.convert(str(testbed.head_dir("smollm2-medusa", target=target)), medusa, "vllm-medusa")
+    tree = {"SPECPLUG_STAGE": "tree", "SPECPLUG_PAYOFF": "0"}
+
+    def spec(method, model, k):
+        return {"method": method, "model": str(model), "num_speculative_tokens": k}
+
+    budget = json.loads((HEAD / "config.json").read_text())["specplug"]["tree"]["budget"]
+    return [
+        {"name": "tree + draft_model", "speculative_config": spec("eagle3", head, budget), "env": {
+            **tree, "SPECPLUG_DRAFTER": json.dumps({"name": "draft_model", "model": str(draft), "max_depth": 3})}},
+        {"name": "chain + self_spec", "speculative_config": spec("eagle3", head, 3), "env": {
+            "SPECPLUG_PAYOFF": "0", "SPECPLUG_DRAFTER": json.dumps({"name": "self_spec", "layers": "0-3,29"})}},
+        {"name": "medusa tree", "speculative_config": spec("medusa", medusa, tree_nodes(str(medusa))), "env": tree},
+    ]
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_the_committed_head_padded_for_tp_3_keeps_greedy_output_and_drafts(tmp_path):
-    """The test bed at tensor_parallel_size 3 (multiprocess executor, ranks bound to cores
-    0|1|0) with the committed EAGLE-3 head, its draft vocabulary padded 8192 -> 8256 by
-    `specplug convert --tensor-parallel-size 3`, as committed (stage chain, payoff control
-    on, deciding on rank 0 and broadcasting; its int4 weights run as loaded under TP), with
-    the rank check on: greedy output equals the same engine without speculation, and the
-    trained head's drafts are accepted (the padding keeps what it drafts)."""
+def test_every_method_at_tp_3_on_the_test_bed_keeps_greedy_output_and_drafts(tmp_path):
+    """The test bed at tensor_parallel_size 3 (multiprocess executor, ranks bound to cores 0|1|0) with the
+    rank check on. The committed EAGLE-3 head, its draft vocabulary padded 8192 -> 8256 by `specplug
+    convert --tensor-parallel-size 3`: as committed (stage chain, hybrid with retrieval; its int4 weights
+    run as loaded under TP), in stage tree with the draft_model drafter, in stage chain with the self_spec
+    drafter; and the committed Medusa heads' tree (_tp3_runs). Each greedy output equals the same engine
+    without speculation, and the drafts are accepted (the padding keeps what the EAGLE-3 head drafts)."""
     from specplug.common.formats import convert
     from specplug.common.testbed import target_dir
     from tests.support.tp_generate import run_checked
@@ -103,10 +130,15 @@ def test_the_committed_head_padded_for_tp_3_keeps_greedy_output_and_drafts(tmp_p
         pytest.skip("no specplug EAGLE-3 head committed under heads/")
     head = str(tmp_path / "head-tp3")
     convert(HEAD, head, "eagle3", tensor_parallel_size=3)
+    runs = _tp3_runs(target_dir(), head, tmp_path)
     env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
-    out = run_checked("tests.support.tp_generate", ["--target", str(target_dir()), "--tp", "3", "base", head], env)
-    assert out[head]["ids"] == out["base"]["ids"] and sum(map(len, out["base"]["ids"])) >= 32  # a prompt may stop
-    assert out[head]["accepted"] > 0
+    out = run_checked("tests.support.tp_generate", ["--target", str(target_dir()), "--tp", "3", "base", head,
+                                                    *map(json.dumps, runs)], env)
+    base = out.pop("base")["ids"]
+    assert sum(map(len, base)) >= 32  # a prompt may stop
+    print({name: (result["drafts"], result["accepted"]) for name, result in out.items()})
+    for name, result in out.items():
+        assert result["ids"] == base and result["accepted"] > 0, name
 
 
 def _tp2_runs(target, tmp_path) -> list[dict]:
