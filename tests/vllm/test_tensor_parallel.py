@@ -114,7 +114,7 @@ def _tp3_runs(target, head: str, tmp_path) -> list[dict]:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(1500)  # five engines at TP 3: 8-9 min alone on 2 cores
 def test_every_method_at_tp_3_on_the_test_bed_keeps_greedy_output_and_drafts(tmp_path):
     """The test bed at tensor_parallel_size 3 (multiprocess executor, ranks bound to cores 0|1|0) with the
     rank check on. The committed EAGLE-3 head, its draft vocabulary padded 8192 -> 8256 by `specplug
@@ -133,10 +133,9 @@ def test_every_method_at_tp_3_on_the_test_bed_keeps_greedy_output_and_drafts(tmp
     runs = _tp3_runs(target_dir(), head, tmp_path)
     env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
     out = run_checked("tests.support.tp_generate", ["--target", str(target_dir()), "--tp", "3", "base", head,
-                                                    *map(json.dumps, runs)], env)
+                                                    *map(json.dumps, runs)], env, timeout=1440)
     base = out.pop("base")["ids"]
     assert sum(map(len, base)) >= 32  # a prompt may stop
-    print({name: (result["drafts"], result["accepted"]) for name, result in out.items()})
     for name, result in out.items():
         assert result["ids"] == base and result["accepted"] > 0, name
 
