@@ -50,6 +50,7 @@ def _runs(model, tmp_path) -> list[dict]:
 
     return [
         {"name": "base"},
+        {"name": "RETRIEVAL", "env": every_step, "engine_args": {"speculative_algorithm": "RETRIEVAL"}},
         {"name": "MEDUSA adaptive", "engine_args": head("MEDUSA", medusa, speculative_adaptive=True)},
         {"name": "SPECPLUG_EAGLE3 + retrieval", "env": every_step,
          "engine_args": head("SPECPLUG_EAGLE3", eagle3, speculative_num_draft_tokens=7)},
