@@ -19,7 +19,7 @@ from contextlib import contextmanager
 
 MARKER = "tp_generate: "  # the result line's prefix (vLLM logs to stdout too)
 # SPECPLUG_TEST_TP3_ALL=1: the TP 3 tests also run the methods beyond the committed heads as committed
-# (about 4 more minutes per engine suite on 2 cores; off in the default suite to keep its time)
+# (measured on 2 cores: 4 more minutes in vLLM, 6 in SGLang; off in the default suite to keep its time)
 ALL_TP3 = os.environ.get("SPECPLUG_TEST_TP3_ALL") == "1"
 SHUTDOWN_S = 60  # seconds an engine's processes get to exit on their own
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Write a haiku about the sea.", "1, 2, 3, 4,"]

@@ -93,6 +93,7 @@ def _tp3_runs(target, head: str, tmp_path) -> list[dict]:
     every step drafts. (self_spec on sharded layers runs at TP 2: _tp2_runs.)"""
     from specplug.common import formats, testbed
     from specplug.common.draft_model import cut_draft_model
+    from specplug.common.head_section import read_section
     from specplug.vllm_eagle3.medusa_settings import tree_nodes
 
     draft = cut_draft_model(target, "0", tmp_path / "draft")
@@ -103,7 +104,7 @@ def _tp3_runs(target, head: str, tmp_path) -> list[dict]:
     def spec(method, model, k):
         return {"method": method, "model": str(model), "num_speculative_tokens": k}
 
-    budget = json.loads((HEAD / "config.json").read_text())["specplug"]["tree"]["budget"]
+    budget = read_section(head)["tree"]["budget"]  # stage tree: every node of the served head's tree
     return [
         {"name": "tree + draft_model", "speculative_config": spec("eagle3", head, budget), "env": {
             **tree, "SPECPLUG_DRAFTER": json.dumps({"name": "draft_model", "model": str(draft), "max_depth": 3})}},
