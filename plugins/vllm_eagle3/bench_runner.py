@@ -159,9 +159,9 @@ def forget_finished_requests(worker) -> None:
     the caches of finished requests that drafting reuses emptied, namely specplug's token
     drafter's (retrieval: recent requests) and vLLM suffix decoding's global tree."""
     proposer = getattr(getattr(worker, "worker", worker).model_runner, "drafter", None)
-    drafter = getattr(proposer, "token_drafter", None)
-    if drafter is not None:
-        drafter.clear_cache()
+    session = getattr(proposer, "session", None)  # specplug's proposer: its drafting session
+    if getattr(session, "token_drafter", None) is not None:
+        session.token_drafter.clear_cache()
     suffix_cache = getattr(proposer, "suffix_cache", None)
     if suffix_cache is not None:
         for request in set(suffix_cache.cached_requests) - set(suffix_cache.active_requests):

@@ -62,6 +62,32 @@ def test_retrieval_candidates_reach_the_drafts(hybrid):
     assert len(drafter.session.token_drafter.cache) > 0  # finished requests joined the cache
 
 
+def test_a_fresh_bench_run_starts_without_the_earlier_runs_requests(hybrid):
+    """`specplug bench` runs the same prompts at each batch size; a fresh run first empties
+    what drafting would reuse (VllmRunner._forget_earlier_runs: the prefix cache, and on
+    every worker retrieval's cache of recent requests, which the earlier run's requests,
+    freed at the next step, never join), so the same greedy run drafts and accepts the same
+    again. Negative control: without it, the next run drafts from the earlier outputs and
+    accepts more."""
+    from specplug.vllm_eagle3.bench_runner import VllmRunner
+
+    retrieval = drafter_of(hybrid).session.token_drafter
+    sampling = params(max_tokens=24, temperature=0.0)
+
+    def fresh_run():
+        VllmRunner._forget_earlier_runs(hybrid)
+        assert len(retrieval.cache) == 0
+        return run(hybrid, REPEATING, sampling)[1]
+
+    first, again = fresh_run(), fresh_run()
+    assert (again.num_steps, again.num_draft_tokens, again.num_accepted) == (
+        first.num_steps, first.num_draft_tokens, first.num_accepted)
+    hybrid.reset_prefix_cache()
+    remembered = run(hybrid, REPEATING, sampling)[1]  # the earlier run's requests join the cache
+    assert len(retrieval.cache) >= len(REPEATING)
+    assert remembered.num_accepted > first.num_accepted
+
+
 def test_bad_retrieval_settings_fail_at_start():
     from specplug.vllm_eagle3.settings import adapter_settings
 
