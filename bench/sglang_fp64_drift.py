@@ -86,14 +86,19 @@ def reference_logprobs(model, prompt: list[int], output: list[int]):
     return torch.log_softmax(logits.double(), -1)
 
 
-def compare(base: dict, spec: dict, ref) -> str:
-    """One method's verdict against the baseline on one prompt (ref: fp64 logprobs [n, V])."""
+def distance(run: dict, ref) -> float:
+    """The largest |log-prob - fp64 log-prob| over the tokens a run emitted (ref [n, V])."""
     import torch
 
+    chosen = torch.tensor(run["ids"])
+    return float((torch.tensor(run["logprobs"], dtype=torch.float64) - ref[torch.arange(len(chosen)), chosen])
+                 .abs().max())
+
+
+def compare(base: dict, spec: dict, ref) -> str:
+    """One method's verdict against the baseline on one prompt (ref: fp64 logprobs [n, V])."""
     if spec["ids"] == base["ids"]:
-        chosen = torch.tensor(base["ids"])
-        drift = (torch.tensor(spec["logprobs"], dtype=torch.float64) - ref[torch.arange(len(chosen)), chosen]).abs()
-        return f"identical, log-probs within {drift.max():.1e} of fp64"
+        return f"identical, log-probs within {distance(spec, ref):.1e} of fp64"
     j = next((k for k, (a, b) in enumerate(zip(spec["ids"], base["ids"])) if a != b), None)
     if j is None:
         return f"a prefix of the baseline ({len(spec['ids'])} of {len(base['ids'])} tokens)"
@@ -132,13 +137,11 @@ def main(argv=None) -> int:
     print("|---" * (4 + len(args.methods) - 1) + "|")
     for i, (name, prompt, base) in enumerate(zip(args.prompts.split(","), prompts, outputs["none"])):
         ref = reference_logprobs(fp64, prompt, base["ids"])
-        chosen = torch.tensor(base["ids"])
-        sglang = (torch.tensor(base["logprobs"], dtype=torch.float64) - ref[torch.arange(len(chosen)), chosen]).abs()
         hf32 = (reference_logprobs(fp32, prompt, base["ids"]) - ref).abs().max()
         verdicts = [compare(base, outputs[m][i], ref) for m in args.methods[1:]]
         gaps = [top[0][0] - top[1][0] for top in base["top2"]]
         close = f"{min(gaps):.4f} ({sum(g < 0.05 for g in gaps)})"
-        print(f"| {name} | {close} | {sglang.max():.1e} | {hf32:.1e} | {' | '.join(verdicts)} |")
+        print(f"| {name} | {close} | {distance(base, ref):.1e} | {hf32:.1e} | {' | '.join(verdicts)} |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"prompts": args.prompts.split(","), "outputs": outputs}, f)
